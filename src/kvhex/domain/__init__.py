@@ -1,0 +1,51 @@
+"""kvhex's pure domain: values and state machines, no IO, no clocks, no threads.
+
+Imports only the standard library, attrs and ``kvhex.errors``. Read ``keys``, ``tiers``,
+``request`` and ``events`` first, then ``primary`` (the host tier's state machine).
+"""
+
+from kvhex.domain.events import Cleared, Removed, Stored, TierEvent
+from kvhex.domain.keys import (
+    OffloadKey,
+    make_offload_key,
+    offload_key_group,
+    offload_key_hash,
+    unpack_offload_key,
+)
+from kvhex.domain.policies import ArcPolicy, EvictionPolicy, LruPolicy, PolicyFactory
+from kvhex.domain.primary import PrimaryStats, PrimaryTier, StorePlan
+from kvhex.domain.request import ReqContext
+from kvhex.domain.tiers import (
+    Locality,
+    LookupResult,
+    Medium,
+    TierFilter,
+    TierIdentity,
+    TierMatcher,
+)
+
+__all__ = [
+    "ArcPolicy",
+    "Cleared",
+    "EvictionPolicy",
+    "Locality",
+    "LookupResult",
+    "LruPolicy",
+    "Medium",
+    "OffloadKey",
+    "PolicyFactory",
+    "PrimaryStats",
+    "PrimaryTier",
+    "ReqContext",
+    "Removed",
+    "StorePlan",
+    "Stored",
+    "TierEvent",
+    "TierFilter",
+    "TierIdentity",
+    "TierMatcher",
+    "make_offload_key",
+    "offload_key_group",
+    "offload_key_hash",
+    "unpack_offload_key",
+]

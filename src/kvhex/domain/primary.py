@@ -1,0 +1,390 @@
+"""The host-memory primary tier: which chunk lives in which host slot, and in what state.
+
+Pure bookkeeping (no bytes, no IO, no clock): the engine asks it where to put or find chunks,
+a transfer adapter moves the bytes, and the engine reports completion. Semantics follow
+vLLM's ``CPUOffloadingManager`` (reference §B.2):
+
+* Slot state is a ref count: ``-1`` write pending (not readable, not evictable), ``0`` ready
+  and evictable, ``> 0`` ready and pinned by that many readers (device loads, cascades).
+* ``prepare_store`` never evicts a key of the same offer and is atomic: when capacity is
+  short it returns ``None`` and changes nothing.
+* Evictions are announced (one ``Removed`` per call) before the ``Stored`` of the keys that
+  reuse the capacity; ``Stored`` is appended only by a successful ``complete_store``, which
+  touches only keys whose write is still pending. A failed store frees its slots and
+  announces nothing.
+
+Key checks: keys entering the tier (``prepare_store``) must be ``bytes`` of the tier's key
+length (fixed by the first stored key unless configured). ``lookup`` does no checks on its
+hot path: a key that could never have been stored is a ``MISS``; an unhashable one raises
+``InvalidKeyError``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import attrs
+
+from kvhex.domain.admission import OfferTracker
+from kvhex.domain.events import Cleared, Removed, Stored, TierEvent
+from kvhex.domain.keys import OffloadKey, check_key
+from kvhex.domain.policies.base import EvictionPolicy
+from kvhex.domain.request import ReqContext
+from kvhex.domain.slots import SlotPool
+from kvhex.domain.tiers import LookupResult, Medium, TierIdentity
+from kvhex.errors import InvalidKeyError, StateError
+
+__all__ = ["PrimaryStats", "PrimaryTier", "StorePlan"]
+
+_MISS = LookupResult.MISS
+_HIT = LookupResult.HIT
+_HIT_PENDING = LookupResult.HIT_PENDING
+
+PRIMARY_IDENTITY = TierIdentity(Medium.CPU)
+
+
+class StorePlan(NamedTuple):
+    """What ``prepare_store`` decided. ``slots[i]`` is the host slot for ``keys[i]``.
+
+    ``keys`` may be empty (everything offered is already stored, pending or not admitted):
+    that is success, not failure. ``evicted`` lists the keys evicted to make room.
+    """
+
+    keys: list[OffloadKey]
+    slots: list[int]
+    evicted: list[OffloadKey]
+
+
+@attrs.frozen(slots=True)
+class PrimaryStats:
+    """Gauges (now) and cumulative counters (since construction) of a primary tier.
+
+    ``usage`` counts slots that cannot be reused right now (write pending or pinned), as a
+    fraction of all slots; ``write_usage`` and ``read_usage`` split it.
+    """
+
+    num_slots: int
+    resident: int
+    pending: int
+    evictable: int
+    pinned: int
+    usage: float
+    write_usage: float
+    read_usage: float
+    stores_prepared: int
+    stores_completed: int
+    stores_failed: int
+    stores_skipped: int
+    store_allocation_failures: int
+    evictions: int
+    loads: int
+    allocation_sizes: dict[int, int]
+
+
+class PrimaryTier:
+    """Slot index, ref counts and eviction for the host primary tier.
+
+    Called from the scheduler's thread only; every method is synchronous and O(keys).
+    """
+
+    __slots__ = (
+        "_allocation_sizes",
+        "_events",
+        "_evictable",
+        "_evictions",
+        "_failed",
+        "_index",
+        "_key_length",
+        "_loads",
+        "_pending",
+        "_policy",
+        "_pool",
+        "_prepared",
+        "_record_events",
+        "_refs",
+        "_skipped",
+        "_stored",
+        "_tracker",
+        "_unallocated",
+        "identity",
+    )
+
+    def __init__(
+        self,
+        num_slots: int,
+        policy: EvictionPolicy,
+        *,
+        identity: TierIdentity = PRIMARY_IDENTITY,
+        store_threshold: int = 1,
+        max_tracker_size: int = 64_000,
+        key_length: int | None = None,
+        record_events: bool = True,
+    ) -> None:
+        self._pool = SlotPool(num_slots)
+        self._policy = policy
+        self.identity = identity
+        self._tracker = (
+            OfferTracker(store_threshold, max_tracker_size) if store_threshold != 1 else None
+        )
+        if key_length is not None:
+            check_key(b"\0" * key_length, None)
+        self._key_length = key_length
+        self._record_events = record_events
+        self._index: dict[OffloadKey, int] = {}
+        self._refs: list[int] = [0] * num_slots
+        self._events: list[TierEvent] = []
+        self._pending = 0
+        self._evictable = 0
+        self._prepared = 0
+        self._stored = 0
+        self._failed = 0
+        self._skipped = 0
+        self._unallocated = 0
+        self._evictions = 0
+        self._loads = 0
+        self._allocation_sizes: dict[int, int] = {}
+
+    # -- queries -------------------------------------------------------------------------
+    @property
+    def num_slots(self) -> int:
+        """Capacity in slots."""
+        return self._pool.num_slots
+
+    def __len__(self) -> int:
+        """Resident keys (pending, ready and pinned)."""
+        return len(self._index)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._index
+
+    def lookup(self, key: OffloadKey) -> LookupResult:
+        """``HIT`` if readable, ``HIT_PENDING`` if its write is in flight, else ``MISS``."""
+        try:
+            slot = self._index.get(key)
+        except TypeError:
+            raise InvalidKeyError(key, "unhashable") from None
+        if slot is None:
+            return _MISS
+        return _HIT if self._refs[slot] >= 0 else _HIT_PENDING
+
+    def slot_of(self, key: OffloadKey) -> int | None:
+        """The host slot holding ``key`` (any state), or ``None``."""
+        return self._index.get(key)
+
+    def ref_count(self, key: OffloadKey) -> int | None:
+        """``-1`` pending, ``0`` evictable, ``> 0`` pinned; ``None`` if absent."""
+        slot = self._index.get(key)
+        return None if slot is None else self._refs[slot]
+
+    # -- loads (host -> device) ----------------------------------------------------------
+    def prepare_load(self, keys: Sequence[OffloadKey], ctx: ReqContext | None = None) -> list[int]:
+        """Pin ``keys`` until ``complete_load`` and return their slots, co-indexed.
+
+        Raises:
+            StateError: a key is absent or its write is still pending (nothing is pinned).
+        """
+        index, refs = self._index, self._refs
+        slots = []
+        for key in keys:
+            slot = index.get(key)
+            if slot is None:
+                check_key(key, self._key_length)
+                raise StateError("prepare_load", key, "not stored")
+            if refs[slot] < 0:
+                raise StateError("prepare_load", key, "write pending")
+            slots.append(slot)
+        mark_pinned = self._policy.mark_pinned
+        for key, slot in zip(keys, slots):
+            if refs[slot] == 0:
+                self._evictable -= 1
+                mark_pinned(key)
+            refs[slot] += 1
+        self._loads += len(slots)
+        return slots
+
+    def complete_load(self, keys: Sequence[OffloadKey], ctx: ReqContext | None = None) -> None:
+        """Unpin ``keys`` (once each per listing); a key at zero pins becomes evictable.
+
+        Raises:
+            StateError: a key is absent or not pinned (nothing is unpinned).
+        """
+        index, refs = self._index, self._refs
+        slots: list[int] = []
+        for key in keys:
+            slot = index.get(key)
+            if slot is None or refs[slot] <= 0:
+                for undo in slots:
+                    refs[undo] += 1
+                raise StateError("complete_load", key, "not stored" if slot is None else "not pinned")
+            refs[slot] -= 1
+            slots.append(slot)
+        # dict, not list: a key listed twice reaches zero once and is marked once
+        unpinned = {key: None for key, slot in zip(keys, slots) if refs[slot] == 0}
+        mark_evictable = self._policy.mark_evictable
+        for key in unpinned:
+            mark_evictable(key)
+        self._evictable += len(unpinned)
+
+    def touch(self, keys: Sequence[OffloadKey], ctx: ReqContext | None = None) -> None:
+        """Mark ``keys`` recently used (forwarded to the policy with the exact ``ctx``)."""
+        self._policy.touch(keys, ctx)
+
+    # -- stores (device -> host) ---------------------------------------------------------
+    def prepare_store(
+        self, keys: Sequence[OffloadKey], ctx: ReqContext | None = None
+    ) -> StorePlan | None:
+        """Reserve slots for the offered keys that are not resident yet.
+
+        Resident keys (ready or pending) are skipped; with a store threshold, keys not offered
+        often enough are skipped and counted. Evicts the least valuable evictable keys when
+        free slots are short, never one of ``keys``. Returns ``None``, with no state change,
+        when even eviction cannot make room.
+
+        Raises:
+            InvalidKeyError: a new key is not bytes of the tier's key length.
+        """
+        index = self._index
+        length = self._key_length
+        candidates: list[OffloadKey] = []
+        for key in keys:
+            if key in index:
+                continue
+            if type(key) is not bytes or len(key) != length:
+                length = self._learn_key_length(key)
+            candidates.append(key)
+        if len(candidates) > 1 and len(set(candidates)) != len(candidates):
+            candidates = list(dict.fromkeys(candidates))
+        tracker = self._tracker
+        if tracker is not None:
+            tracker.offer(keys)
+            admitted = [k for k in candidates if tracker.admitted(k)]
+            self._skipped += len(candidates) - len(admitted)
+            candidates = admitted
+        n = len(candidates)
+        if n == 0:
+            return StorePlan([], [], [])
+        sizes = self._allocation_sizes
+        sizes[n] = sizes.get(n, 0) + 1
+        pool = self._pool
+        need = n - pool.free_count
+        evicted: list[OffloadKey] = []
+        if need > 0:
+            if need > self._evictable:
+                self._unallocated += 1
+                return None
+            victims = self._policy.evict(need, set(keys))
+            if victims is None:
+                self._unallocated += 1
+                return None
+            evicted = victims
+            release = pool.release
+            for victim in victims:
+                release(index.pop(victim))
+            self._evictable -= need
+            self._evictions += need
+            if self._record_events:
+                self._events.append(Removed(tuple(victims), self.identity))
+        slots = pool.allocate(n)
+        refs = self._refs
+        insert = self._policy.insert
+        for key, slot in zip(candidates, slots):
+            index[key] = slot
+            refs[slot] = -1
+            insert(key)
+        self._pending += n
+        self._prepared += n
+        return StorePlan(candidates, slots, evicted)
+
+    def _learn_key_length(self, key: object) -> int:
+        checked = check_key(key, self._key_length)
+        if self._key_length is None:
+            self._key_length = len(checked)
+        return self._key_length
+
+    def complete_store(
+        self, keys: Sequence[OffloadKey], ctx: ReqContext | None = None, success: bool = True
+    ) -> None:
+        """Finish the writes of ``keys``. Only keys whose write is pending are affected, so a
+        second completion, or an over-broad key list, is a no-op for the others.
+
+        On success the keys become readable and evictable and one ``Stored`` (carrying
+        ``ctx``) is appended. On failure their slots are freed and nothing is announced.
+        """
+        index, refs = self._index, self._refs
+        done: list[OffloadKey] = []
+        if success:
+            mark_evictable = self._policy.mark_evictable
+            for key in keys:
+                slot = index.get(key)
+                if slot is not None and refs[slot] == -1:
+                    refs[slot] = 0
+                    mark_evictable(key)
+                    done.append(key)
+            if not done:
+                return
+            n = len(done)
+            self._evictable += n
+            self._stored += n
+            if self._record_events:
+                self._events.append(Stored(tuple(done), self.identity, ctx))
+        else:
+            remove = self._policy.remove
+            release = self._pool.release
+            for key in keys:
+                slot = index.get(key)
+                if slot is not None and refs[slot] == -1:
+                    del index[key]
+                    refs[slot] = 0
+                    release(slot)
+                    remove(key)
+                    done.append(key)
+            n = len(done)
+            self._failed += n
+        self._pending -= n
+
+    # -- events, reset, stats ------------------------------------------------------------
+    def take_events(self) -> list[TierEvent]:
+        """Events appended since the last call, in order; the buffer is emptied."""
+        events = self._events
+        self._events = []
+        return events
+
+    def reset(self) -> None:
+        """Forget every chunk and announce ``Cleared``. Events not yet taken are kept (they
+        precede the ``Cleared``). The learned key length and cumulative counters are kept."""
+        self._index.clear()
+        self._refs = [0] * self._pool.num_slots
+        self._pool.reset()
+        self._policy.clear()
+        if self._tracker is not None:
+            self._tracker.clear()
+        self._pending = 0
+        self._evictable = 0
+        if self._record_events:
+            self._events.append(Cleared(self.identity))
+
+    def stats(self) -> PrimaryStats:
+        """A snapshot of gauges and cumulative counters."""
+        n = self._pool.num_slots
+        resident = len(self._index)
+        pinned = resident - self._pending - self._evictable
+        frac = (lambda x: x / n) if n else (lambda x: 0.0)
+        return PrimaryStats(
+            num_slots=n,
+            resident=resident,
+            pending=self._pending,
+            evictable=self._evictable,
+            pinned=pinned,
+            usage=frac(self._pending + pinned),
+            write_usage=frac(self._pending),
+            read_usage=frac(pinned),
+            stores_prepared=self._prepared,
+            stores_completed=self._stored,
+            stores_failed=self._failed,
+            stores_skipped=self._skipped,
+            store_allocation_failures=self._unallocated,
+            evictions=self._evictions,
+            loads=self._loads,
+            allocation_sizes=dict(self._allocation_sizes),
+        )

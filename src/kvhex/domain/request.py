@@ -1,0 +1,48 @@
+"""``ReqContext``: one object per request, riding every call and every asynchronous job.
+
+Compared by identity: two requests with the same id (a retried request, an id reused after the
+first finished) are different contexts, and a late completion finalizes the context it carries,
+never "whatever request now has that id". It keeps the key -> end-token position records that
+later let the event translator find a stored chunk's tokens.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import attrs
+
+from kvhex.domain.keys import OffloadKey
+from kvhex.domain.tiers import TierFilter
+
+__all__ = ["ReqContext"]
+
+
+@attrs.define(eq=False, slots=True, weakref_slot=True)
+class ReqContext:
+    """Request provenance. Hashable and equal by identity only.
+
+    Attributes:
+        req_id: the engine's request id (not unique over time).
+        transfer_params: the engine's ``kv_transfer_params`` for the request, if any.
+        tier_filter: which secondary tiers the request may load from.
+    """
+
+    req_id: str = attrs.field(validator=attrs.validators.instance_of(str))
+    transfer_params: Mapping[str, Any] | None = None
+    tier_filter: TierFilter = TierFilter.ALL
+    _positions: dict[OffloadKey, int] = attrs.field(factory=dict, init=False, repr=False)
+
+    def record_position(self, key: OffloadKey, end_token: int) -> None:
+        """Remember that ``key``'s chunk ends at token ``end_token`` (exclusive) in this request."""
+        self._positions[key] = end_token
+
+    def position(self, key: OffloadKey) -> int | None:
+        """The end-token position recorded for ``key``, or ``None``."""
+        return self._positions.get(key)
+
+    @property
+    def recorded_keys(self) -> int:
+        """How many key positions are recorded."""
+        return len(self._positions)

@@ -1,0 +1,17 @@
+"""Contract suites shipped for third parties (and run by kvhex on its own built-ins).
+
+Subclass a contract in your own test module and implement its factory method; pytest then
+runs every check of the contract against your plugin::
+
+    from kvhex.testing import EvictionPolicyContract
+
+    class TestMyPolicy(EvictionPolicyContract):
+        def make_policy(self, capacity):
+            return MyPolicy(capacity)
+
+Needs pytest (``pip install 'kvhex[testing]'``).
+"""
+
+from kvhex.testing.policy_contract import EvictionPolicyContract, policy_key
+
+__all__ = ["EvictionPolicyContract", "policy_key"]

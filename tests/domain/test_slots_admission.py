@@ -1,0 +1,62 @@
+from __future__ import annotations
+
+import pytest
+
+from kvhex.domain.admission import OfferTracker
+from kvhex.domain.slots import SlotPool
+from tests.domain.conftest import keys
+
+
+def test_fresh_slots_in_increasing_order_then_freed_lifo() -> None:
+    pool = SlotPool(4)
+    assert pool.allocate(2) == [0, 1]
+    pool.release(0)
+    pool.release(1)
+    assert pool.allocate(3) == [2, 3, 1]
+    assert pool.allocate(1) == [0]
+    assert pool.free_count == 0
+    with pytest.raises(ValueError, match="cannot allocate 1"):
+        pool.allocate(1)
+
+
+def test_reset_restarts_fresh_order() -> None:
+    pool = SlotPool(3)
+    pool.allocate(3)
+    pool.release(2)
+    pool.reset()
+    assert pool.allocate(3) == [0, 1, 2]
+
+
+@pytest.mark.parametrize("bad", [-1, 1.5, True, "4"])
+def test_bad_slot_counts(bad: object) -> None:
+    with pytest.raises(ValueError, match="num_slots"):
+        SlotPool(bad)  # type: ignore[arg-type]
+
+
+def test_tracker_counts_distinct_offers_and_ages_out_lru() -> None:
+    tracker = OfferTracker(threshold=2, max_size=3)
+    a, b, c, d = keys(1, 2, 3, 4)
+    tracker.offer([a, a, b])
+    assert tracker.count(a) == 1
+    tracker.offer([c])
+    tracker.offer([d])  # full: a is least recently offered
+    assert len(tracker) == 3
+    assert tracker.count(a) == 0
+    tracker.offer([b])
+    assert tracker.admitted(b)
+    assert not tracker.admitted(c)
+
+
+def test_tracker_never_drops_a_key_of_the_current_offer() -> None:
+    tracker = OfferTracker(threshold=2, max_size=2)
+    offer = keys(1, 2, 3)
+    tracker.offer(offer)
+    assert all(tracker.count(k) == 1 for k in offer)
+    tracker.offer(keys(1))
+    assert tracker.admitted(keys(1)[0])
+
+
+@pytest.mark.parametrize(("threshold", "size"), [(0, 1), (2, 0), (True, 5), (2, -3)])
+def test_tracker_rejects_bad_bounds(threshold: int, size: int) -> None:
+    with pytest.raises(ValueError, match="store_threshold|max_tracker_size"):
+        OfferTracker(threshold, size)
