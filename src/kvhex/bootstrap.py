@@ -31,7 +31,12 @@ def build_policy(name: str, capacity: int, registry: Registry, *, path: str) -> 
         factory = registry.load(POLICIES, name)
     except PluginError as exc:
         raise ConfigError([(path, str(exc))]) from exc
-    policy = factory(capacity)
+    try:
+        policy = factory(capacity)
+    except Exception as exc:
+        raise ConfigError(
+            [(path, f"policy {name!r} failed to build: {type(exc).__name__}: {exc}")]
+        ) from exc
     if not isinstance(policy, EvictionPolicy):
         raise ConfigError(
             [(path, f"policy {name!r} built a {type(policy).__name__}, not an EvictionPolicy")]

@@ -160,4 +160,3 @@ class TransferError(KvhexError, RuntimeError):
         self.job_id = job_id
         where = f"transfer job {job_id}: " if job_id is not None else ""
         super().__init__(f"{where}{problem}")
-

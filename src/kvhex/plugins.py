@@ -20,19 +20,14 @@ Rules:
 from __future__ import annotations
 
 import inspect
-import sys
 from collections.abc import Callable, Iterable, Mapping
+from importlib.metadata import EntryPoint, entry_points
 from typing import Any
 
 import attrs
 
 from kvhex.domain.policies.base import EvictionPolicy
 from kvhex.errors import PluginError
-
-if sys.version_info >= (3, 10):
-    from importlib.metadata import EntryPoint, entry_points
-else:  # pragma: no cover
-    from importlib_metadata import EntryPoint, entry_points
 
 __all__ = [
     "GROUPS",
@@ -66,7 +61,9 @@ def _check_policy(obj: Any) -> str | None:
     if not callable(obj):
         return f"expected a policy class or factory, got {type(obj).__name__}"
     if inspect.isclass(obj):
-        missing = [m for m in _protocol_methods(EvictionPolicy) if not callable(getattr(obj, m, None))]
+        missing = [
+            m for m in _protocol_methods(EvictionPolicy) if not callable(getattr(obj, m, None))
+        ]
         if missing:
             return f"class {obj.__qualname__} lacks EvictionPolicy methods: {', '.join(missing)}"
     return None
@@ -166,10 +163,12 @@ class Registry:
         wanted = list(groups)
         for group in wanted:
             _check_group(group)
-        eps = list(found) if found is not None else list(entry_points().select())
+        if found is None:
+            eps = [ep for group in wanted for ep in entry_points(group=group)]
+        else:
+            eps = [ep for ep in found if ep.group in wanted]
         for ep in eps:
-            if ep.group in wanted:
-                registry._add(_spec_of(ep), replace=replace)
+            registry._add(_spec_of(ep), replace=replace)
         return registry
 
     def _add(self, spec: PluginSpec, *, replace: bool) -> None:

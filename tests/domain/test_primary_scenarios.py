@@ -4,8 +4,6 @@ from __future__ import annotations
 
 from collections.abc import Container, Sequence
 
-import pytest
-
 from kvhex.domain import (
     ArcPolicy,
     Cleared,
@@ -14,8 +12,8 @@ from kvhex.domain import (
     Medium,
     OffloadKey,
     PrimaryTier,
-    ReqContext,
     Removed,
+    ReqContext,
     Stored,
 )
 from tests.domain.conftest import key, keys, make_tier
@@ -107,7 +105,7 @@ def test_store_without_evictable_capacity_returns_none_and_changes_nothing(
 # 5 -----------------------------------------------------------------------------------------
 def test_prepare_load_returns_slots_co_indexed_with_keys() -> None:
     tier = make_tier(4)
-    slots = dict(zip(keys(1, 2, 3), store(tier, 1, 2, 3)))
+    slots = dict(zip(keys(1, 2, 3), store(tier, 1, 2, 3), strict=True))
     assert tier.prepare_load(keys(2, 3)) == [1, 2]
     for order in ([3, 1, 2], [2, 1], [1]):
         assert tier.prepare_load(keys(*order)) == [slots[k] for k in keys(*order)]
@@ -155,7 +153,11 @@ def test_failed_store_frees_only_pending_keys_and_announces_nothing() -> None:
     assert tier.lookup(key(7)) is HIT
     assert tier.lookup(key(9)) is MISS
     events = tier.take_events()
-    assert key_sets(events, Stored) == [{key(1), key(2), key(3)}, {key(4), key(5)}, set(keys(6, 7, 8))]
+    assert key_sets(events, Stored) == [
+        {key(1), key(2), key(3)},
+        {key(4), key(5)},
+        set(keys(6, 7, 8)),
+    ]
     assert key_sets(events, Removed) == [{key(1)}, set(keys(2, 3, 4)), {key(5)}]
     assert tier.stats().stores_failed == 1
 

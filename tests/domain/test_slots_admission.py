@@ -58,5 +58,5 @@ def test_tracker_never_drops_a_key_of_the_current_offer() -> None:
 
 @pytest.mark.parametrize(("threshold", "size"), [(0, 1), (2, 0), (True, 5), (2, -3)])
 def test_tracker_rejects_bad_bounds(threshold: int, size: int) -> None:
-    with pytest.raises(ValueError, match="store_threshold|max_tracker_size"):
+    with pytest.raises(ValueError, match=r"store_threshold|max_tracker_size"):
         OfferTracker(threshold, size)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import difflib
 import json
 import sys
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -20,7 +20,6 @@ from cattrs.errors import (
     ClassValidationError,
     ForbiddenExtraKeysError,
     IterableValidationError,
-    IterableValidationNote,
 )
 
 from kvhex.config.model import CHECKS, KvhexConfig
@@ -57,8 +56,15 @@ def make_converter() -> cattrs.Converter:
     converter.register_structure_hook(str, _strict(str))
     converter.register_structure_hook(bool, _strict(bool))
     for new_type, check in CHECKS.items():
-        converter.register_structure_hook(new_type, lambda v, _, check=check: check(v))
+        converter.register_structure_hook(new_type, _checked(check))
     return converter
+
+
+def _checked(check: Callable[[Any], Any]) -> Callable[[Any, Any], Any]:
+    def hook(value: Any, _: Any) -> Any:
+        return check(value)
+
+    return hook
 
 
 _CONVERTER = make_converter()
@@ -82,10 +88,8 @@ def _issues(exc: BaseException, path: str, cls: Any) -> Iterator[ConfigIssue]:
             if isinstance(note, AttributeValidationNote):
                 field_cls = _field_type(cls, note.name)
                 yield from _issues(inner, f"{path}.{note.name}", field_cls)
-            elif isinstance(note, IterableValidationNote):
+            else:
                 yield from _issues(inner, f"{path}[{note.index!r}]", note.type)
-            else:  # pragma: no cover - cattrs only adds the two note kinds above
-                yield from _issues(inner, path, None)
         for inner in without:
             yield from _issues(inner, path, cls)
     elif isinstance(exc, ForbiddenExtraKeysError):
@@ -138,7 +142,9 @@ def load_config(source: Mapping[str, Any] | str | Path) -> KvhexConfig:
     path = Path(source)
     suffix = path.suffix.lower()
     if suffix not in (".toml", ".json"):
-        raise ConfigError([("$", f"unknown config file type {suffix!r}; use .toml or .json")], str(path))
+        raise ConfigError(
+            [("$", f"unknown config file type {suffix!r}; use .toml or .json")], str(path)
+        )
     try:
         text = path.read_text(encoding="utf-8")
     except OSError as exc:

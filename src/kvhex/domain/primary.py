@@ -195,7 +195,7 @@ class PrimaryTier:
                 raise StateError("prepare_load", key, "write pending")
             slots.append(slot)
         mark_pinned = self._policy.mark_pinned
-        for key, slot in zip(keys, slots):
+        for key, slot in zip(keys, slots, strict=True):
             if refs[slot] == 0:
                 self._evictable -= 1
                 mark_pinned(key)
@@ -216,11 +216,13 @@ class PrimaryTier:
             if slot is None or refs[slot] <= 0:
                 for undo in slots:
                     refs[undo] += 1
-                raise StateError("complete_load", key, "not stored" if slot is None else "not pinned")
+                raise StateError(
+                    "complete_load", key, "not stored" if slot is None else "not pinned"
+                )
             refs[slot] -= 1
             slots.append(slot)
         # dict, not list: a key listed twice reaches zero once and is marked once
-        unpinned = {key: None for key, slot in zip(keys, slots) if refs[slot] == 0}
+        unpinned = {key: None for key, slot in zip(keys, slots, strict=True) if refs[slot] == 0}
         mark_evictable = self._policy.mark_evictable
         for key in unpinned:
             mark_evictable(key)
@@ -288,7 +290,7 @@ class PrimaryTier:
         slots = pool.allocate(n)
         refs = self._refs
         insert = self._policy.insert
-        for key, slot in zip(candidates, slots):
+        for key, slot in zip(candidates, slots, strict=True):
             index[key] = slot
             refs[slot] = -1
             insert(key)

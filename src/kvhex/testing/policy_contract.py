@@ -159,7 +159,7 @@ class EvictionPolicyContract:
                         state[key] = "pinned"
                 elif op < 0.75:
                     sample = rng.sample(resident, min(len(resident), 3)) if resident else []
-                    policy.touch(sample + [policy_key(10_000 + next_id)], ReqContext("r"))
+                    policy.touch([*sample, policy_key(10_000 + next_id)], ReqContext("r"))
                 else:
                     protected = set(rng.sample(resident, min(len(resident), 2)))
                     eligible = {k for k, s in state.items() if s == "evictable"} - protected

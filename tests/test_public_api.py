@@ -1,0 +1,45 @@
+"""Every name a public module exports exists, and importing kvhex does no work."""
+
+from __future__ import annotations
+
+import importlib
+import subprocess
+import sys
+
+import pytest
+
+PUBLIC = [
+    "kvhex",
+    "kvhex.errors",
+    "kvhex.domain",
+    "kvhex.domain.keys",
+    "kvhex.domain.tiers",
+    "kvhex.domain.request",
+    "kvhex.domain.events",
+    "kvhex.domain.primary",
+    "kvhex.domain.policies",
+    "kvhex.config",
+    "kvhex.plugins",
+    "kvhex.bootstrap",
+    "kvhex.testing",
+]
+
+
+@pytest.mark.parametrize("name", PUBLIC)
+def test_all_names_exist_once(name: str) -> None:
+    module = importlib.import_module(name)
+    exported = module.__all__
+    assert len(set(exported)) == len(exported)
+    missing = [n for n in exported if not hasattr(module, n)]
+    assert missing == []
+
+
+def test_importing_kvhex_loads_no_heavy_module_and_no_plugin() -> None:
+    code = (
+        "import sys, kvhex, kvhex.domain, kvhex.plugins, kvhex.config;"
+        "heavy = [m for m in ('torch','numpy','fsspec','zmq','msgspec','vllm','structlog')"
+        " if m in sys.modules];"
+        "print(','.join(heavy))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == ""
