@@ -86,16 +86,15 @@ class ArcPolicy:
         """Promote T1 hits to T2 (pending keys stay in T1 as most recent), refresh T2 hits,
         and adapt the target on ghost hits. Keys are walked in reverse order."""
         t1, t2, b1, b2 = self._t1, self._t2, self._b1, self._b2
+        refresh = t2.move_to_end
         for key in reversed(keys):
-            state = t1.get(key)
-            if state is not None:
-                if state == _PENDING:
+            if key in t2:  # the common case first: a frequently used chunk
+                refresh(key)
+            elif key in t1:
+                if t1[key] == _PENDING:
                     t1.move_to_end(key)
                 else:
-                    del t1[key]
-                    t2[key] = state
-            elif key in t2:
-                t2.move_to_end(key)
+                    t2[key] = t1.pop(key)
             elif key in b1:
                 step = max(1.0, len(b2) / len(b1))
                 self.target_t1_size = min(self.target_t1_size + step, float(self._capacity))
