@@ -58,6 +58,10 @@ def test_prepare_load_of_absent_or_pending_keys_is_refused_atomically() -> None:
     assert tier.ref_count(key(1)) == 0
     with pytest.raises(InvalidKeyError):
         tier.prepare_load(["x"])  # type: ignore[list-item]
+    with pytest.raises(InvalidKeyError, match="unhashable"):
+        tier.prepare_load([[1]])  # type: ignore[list-item]
+    with pytest.raises(InvalidKeyError, match="expected bytes, got list"):
+        tier.prepare_store([[1]])  # type: ignore[list-item]
 
 
 def test_complete_load_of_unpinned_key_is_refused_atomically() -> None:

@@ -187,7 +187,10 @@ class PrimaryTier:
         index, refs = self._index, self._refs
         slots = []
         for key in keys:
-            slot = index.get(key)
+            try:
+                slot = index.get(key)
+            except TypeError:
+                raise InvalidKeyError(key, "unhashable") from None
             if slot is None:
                 check_key(key, self._key_length)
                 raise StateError("prepare_load", key, "not stored")
@@ -250,11 +253,10 @@ class PrimaryTier:
         length = self._key_length
         candidates: list[OffloadKey] = []
         for key in keys:
-            if key in index:
-                continue
             if type(key) is not bytes or len(key) != length:
                 length = self._learn_key_length(key)
-            candidates.append(key)
+            if key not in index:
+                candidates.append(key)
         if len(candidates) > 1 and len(set(candidates)) != len(candidates):
             candidates = list(dict.fromkeys(candidates))
         tracker = self._tracker

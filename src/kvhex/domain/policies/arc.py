@@ -77,10 +77,12 @@ class ArcPolicy:
         self._set_state(key, _PINNED)
 
     def _set_state(self, key: OffloadKey, state: int) -> None:
-        if key in self._t1:
+        # assigning to an existing key keeps its position; T2 first, where reused keys live
+        t2 = self._t2
+        if key in t2:
+            t2[key] = state
+        elif key in self._t1:
             self._t1[key] = state
-        elif key in self._t2:
-            self._t2[key] = state
 
     def touch(self, keys: Sequence[OffloadKey], ctx: ReqContext | None) -> None:
         """Promote T1 hits to T2 (pending keys stay in T1 as most recent), refresh T2 hits,
