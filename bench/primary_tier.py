@@ -196,9 +196,9 @@ def main() -> None:
         "kvhex",
         kvhex_manager(args.slots, args.policy),
         trace,
-        args.ops,
-        ReqContext,
-        LookupResult.HIT,
+        max_ops=args.ops,
+        make_ctx=ReqContext,
+        hit=LookupResult.HIT,
     )
     vllm = vllm_classes()
     if vllm is None:
@@ -211,9 +211,9 @@ def main() -> None:
             "vllm",
             manager,
             trace,
-            args.ops,
-            lambda rid: vllm_ctx(req_id=rid),
-            vllm_lookup.HIT,
+            max_ops=args.ops,
+            make_ctx=lambda rid: vllm_ctx(req_id=rid),
+            hit=vllm_lookup.HIT,
         )
     gc.unfreeze()
 
