@@ -28,6 +28,7 @@ import attrs
 
 from kvhex.domain.policies.base import EvictionPolicy
 from kvhex.errors import PluginError
+from kvhex.ports.tier_store import TierStore
 
 __all__ = [
     "GROUPS",
@@ -50,32 +51,44 @@ OWN_DISTRIBUTION = "kvhex"
 
 
 def _protocol_methods(protocol: type) -> tuple[str, ...]:
-    return tuple(
-        name
-        for name, member in vars(protocol).items()
-        if not name.startswith("_") and inspect.isfunction(member)
-    )
-
-
-def _check_policy(obj: Any) -> str | None:
-    if not callable(obj):
-        return f"expected a policy class or factory, got {type(obj).__name__}"
-    if inspect.isclass(obj):
-        missing = [
-            m for m in _protocol_methods(EvictionPolicy) if not callable(getattr(obj, m, None))
-        ]
-        if missing:
-            return f"class {obj.__qualname__} lacks EvictionPolicy methods: {', '.join(missing)}"
-    return None
+    """Public methods a protocol (and the protocols it extends) declares."""
+    names: dict[str, None] = {}
+    for base in reversed(protocol.__mro__):
+        if base is object or not getattr(base, "_is_protocol", False):
+            continue
+        for name, member in vars(base).items():
+            if not name.startswith("_") and inspect.isfunction(member):
+                names[name] = None
+    return tuple(names)
 
 
 Checker = Callable[[Any], "str | None"]
 
+
+def _factory_of(protocol: type, what: str) -> Checker:
+    """Accept a callable; when it is a class, it must have the protocol's methods."""
+    methods = _protocol_methods(protocol)
+
+    def check(obj: Any) -> str | None:
+        if not callable(obj):
+            return f"expected a {what} class or factory, got {type(obj).__name__}"
+        if inspect.isclass(obj):
+            missing = [m for m in methods if not callable(getattr(obj, m, None))]
+            if missing:
+                return (
+                    f"class {obj.__qualname__} lacks {protocol.__name__} methods: "
+                    f"{', '.join(missing)}"
+                )
+        return None
+
+    return check
+
+
 GROUPS: Mapping[str, Checker | None] = {
-    TIERS: None,
+    TIERS: _factory_of(TierStore, "tier"),
     TRANSFERS: None,
     SINKS: None,
-    POLICIES: _check_policy,
+    POLICIES: _factory_of(EvictionPolicy, "policy"),
 }
 """Every entry-point group kvhex reads, with the check a loaded object must pass. Groups
 whose port is not part of kvhex yet accept any object."""

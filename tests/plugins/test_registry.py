@@ -9,7 +9,7 @@ from kvhex.bootstrap import build_policy, build_primary_tier
 from kvhex.config import PrimaryConfig
 from kvhex.domain import ArcPolicy, LruPolicy
 from kvhex.errors import ConfigError, PluginError
-from kvhex.plugins import POLICIES, SINKS, TIERS, Registry
+from kvhex.plugins import POLICIES, SINKS, TIERS, TRANSFERS, Registry
 from kvhex.testing import EvictionPolicyContract
 
 
@@ -137,8 +137,8 @@ def test_register_refuses_duplicates_without_replace() -> None:
 
 
 def test_groups_without_entries_are_empty() -> None:
-    registry = Registry.discover([TIERS, SINKS])
-    assert registry.names(TIERS) == []
+    registry = Registry.discover([TRANSFERS, SINKS])
+    assert registry.names(TRANSFERS) == []
     with pytest.raises(PluginError, match="available: none"):
         registry.load(SINKS, "zmq")
 
@@ -151,3 +151,12 @@ def test_primary_capacity_must_hold_one_slot() -> None:
     assert info.value.paths == ("$.primary.capacity_bytes",)
     with pytest.raises(ValueError, match="slot_bytes"):
         build_primary_tier(config, slot_bytes=0, registry=registry)
+
+
+def test_the_memory_tier_is_a_builtin_entry_point_checked_against_the_port() -> None:
+    from kvhex.adapters.memory import MemoryTierStore
+
+    registry = Registry.discover([TIERS])
+    assert registry.load(TIERS, "memory") is MemoryTierStore
+    with pytest.raises(PluginError, match="lacks TierStore methods: take_events, submit_put"):
+        registry.register(TIERS, "bad", ArcPolicy)

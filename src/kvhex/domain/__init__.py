@@ -4,7 +4,9 @@ Imports only the standard library, attrs and ``kvhex.errors``. Read ``keys``, ``
 ``request`` and ``events`` first, then ``primary`` (the host tier's state machine).
 """
 
+from kvhex.domain.backpressure import AdmissionPolicy, AlwaysAdmit, EmaBackpressure
 from kvhex.domain.events import Cleared, Removed, Stored, TierEvent
+from kvhex.domain.jobs import JobId, JobKind, JobResult, TierJob
 from kvhex.domain.keys import (
     OffloadKey,
     make_offload_key,
@@ -19,20 +21,28 @@ from kvhex.domain.tiers import (
     Locality,
     LookupResult,
     Medium,
+    OffloadPolicy,
     TierFilter,
     TierIdentity,
     TierMatcher,
 )
 
 __all__ = [
+    "AdmissionPolicy",
+    "AlwaysAdmit",
     "ArcPolicy",
     "Cleared",
+    "EmaBackpressure",
     "EvictionPolicy",
+    "JobId",
+    "JobKind",
+    "JobResult",
     "Locality",
     "LookupResult",
     "LruPolicy",
     "Medium",
     "OffloadKey",
+    "OffloadPolicy",
     "PolicyFactory",
     "PrimaryStats",
     "PrimaryTier",
@@ -43,6 +53,7 @@ __all__ = [
     "TierEvent",
     "TierFilter",
     "TierIdentity",
+    "TierJob",
     "TierMatcher",
     "make_offload_key",
     "offload_key_group",

@@ -21,7 +21,7 @@ hot path: a key that could never have been stored is a ``MISS``; an unhashable o
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import NamedTuple
 
 import attrs
@@ -151,6 +151,11 @@ class PrimaryTier:
         """Capacity in slots."""
         return self._pool.num_slots
 
+    @property
+    def store_threshold(self) -> int:
+        """Offers a chunk needs before it is stored (1: stored on first offer)."""
+        return 1 if self._tracker is None else self._tracker.threshold
+
     def __len__(self) -> int:
         """Resident keys (pending, ready and pinned)."""
         return len(self._index)
@@ -179,11 +184,42 @@ class PrimaryTier:
 
     # -- loads (host -> device) ----------------------------------------------------------
     def prepare_load(self, keys: Sequence[OffloadKey], ctx: ReqContext | None = None) -> list[int]:
-        """Pin ``keys`` until ``complete_load`` and return their slots, co-indexed.
+        """Pin ``keys`` for a device load until ``complete_load``; their slots, co-indexed.
 
         Raises:
             StateError: a key is absent or its write is still pending (nothing is pinned).
         """
+        slots = self._pin(keys, "prepare_load")
+        self._loads += len(slots)
+        return slots
+
+    def complete_load(self, keys: Sequence[OffloadKey], ctx: ReqContext | None = None) -> None:
+        """Unpin ``keys`` after a device load (once per listing); a key at zero pins becomes
+        evictable.
+
+        Raises:
+            StateError: a key is absent or not pinned (nothing is unpinned).
+        """
+        self._unpin(keys, "complete_load")
+
+    def pin(self, keys: Sequence[OffloadKey]) -> list[int]:
+        """Pin ``keys`` for a secondary tier reading them (a cascade put); their slots.
+        Like ``prepare_load`` but not counted as a device load.
+
+        Raises:
+            StateError: a key is absent or its write is still pending (nothing is pinned).
+        """
+        return self._pin(keys, "pin")
+
+    def unpin(self, keys: Sequence[OffloadKey]) -> None:
+        """Release pins taken by :meth:`pin`.
+
+        Raises:
+            StateError: a key is absent or not pinned (nothing is unpinned).
+        """
+        self._unpin(keys, "unpin")
+
+    def _pin(self, keys: Sequence[OffloadKey], operation: str) -> list[int]:
         index, refs = self._index, self._refs
         slots = []
         for key in keys:
@@ -193,9 +229,9 @@ class PrimaryTier:
                 raise InvalidKeyError(key, "unhashable") from None
             if slot is None:
                 check_key(key, self._key_length)
-                raise StateError("prepare_load", key, "not stored")
+                raise StateError(operation, key, "not stored")
             if refs[slot] < 0:
-                raise StateError("prepare_load", key, "write pending")
+                raise StateError(operation, key, "write pending")
             slots.append(slot)
         mark_pinned = self._policy.mark_pinned
         for key, slot in zip(keys, slots, strict=True):
@@ -203,15 +239,9 @@ class PrimaryTier:
                 self._evictable -= 1
                 mark_pinned(key)
             refs[slot] += 1
-        self._loads += len(slots)
         return slots
 
-    def complete_load(self, keys: Sequence[OffloadKey], ctx: ReqContext | None = None) -> None:
-        """Unpin ``keys`` (once each per listing); a key at zero pins becomes evictable.
-
-        Raises:
-            StateError: a key is absent or not pinned (nothing is unpinned).
-        """
+    def _unpin(self, keys: Sequence[OffloadKey], operation: str) -> None:
         index, refs = self._index, self._refs
         slots: list[int] = []
         for key in keys:
@@ -219,9 +249,7 @@ class PrimaryTier:
             if slot is None or refs[slot] <= 0:
                 for undo in slots:
                     refs[undo] += 1
-                raise StateError(
-                    "complete_load", key, "not stored" if slot is None else "not pinned"
-                )
+                raise StateError(operation, key, "not stored" if slot is None else "not pinned")
             refs[slot] -= 1
             slots.append(slot)
         # dict, not list: a key listed twice reaches zero once and is marked once
@@ -237,14 +265,18 @@ class PrimaryTier:
 
     # -- stores (device -> host) ---------------------------------------------------------
     def prepare_store(
-        self, keys: Sequence[OffloadKey], ctx: ReqContext | None = None
+        self,
+        keys: Sequence[OffloadKey],
+        ctx: ReqContext | None = None,
+        protect: Collection[OffloadKey] = (),
     ) -> StorePlan | None:
         """Reserve slots for the offered keys that are not resident yet.
 
         Resident keys (ready or pending) are skipped; with a store threshold, keys not offered
         often enough are skipped and counted. Evicts the least valuable evictable keys when
-        free slots are short, never one of ``keys``. Returns ``None``, with no state change,
-        when even eviction cannot make room.
+        free slots are short, never one of ``keys`` nor of ``protect`` (chunks the caller
+        already answered as hits this step). Returns ``None``, with no state change, when even
+        eviction cannot make room.
 
         Raises:
             InvalidKeyError: a new key is not bytes of the tier's key length.
@@ -277,7 +309,9 @@ class PrimaryTier:
             if need > self._evictable:
                 self._unallocated += 1
                 return None
-            victims = self._policy.evict(need, set(keys))
+            protected = set(keys)
+            protected.update(protect)
+            victims = self._policy.evict(need, protected)
             if victims is None:
                 self._unallocated += 1
                 return None
@@ -308,12 +342,13 @@ class PrimaryTier:
 
     def complete_store(
         self, keys: Sequence[OffloadKey], ctx: ReqContext | None = None, success: bool = True
-    ) -> None:
+    ) -> list[OffloadKey]:
         """Finish the writes of ``keys``. Only keys whose write is pending are affected, so a
         second completion, or an over-broad key list, is a no-op for the others.
 
         On success the keys become readable and evictable and one ``Stored`` (carrying
         ``ctx``) is appended. On failure their slots are freed and nothing is announced.
+        Returns the keys this call completed (made readable, or freed on failure).
         """
         index, refs = self._index, self._refs
         done: list[OffloadKey] = []
@@ -326,7 +361,7 @@ class PrimaryTier:
                     mark_evictable(key)
                     done.append(key)
             if not done:
-                return
+                return done
             n = len(done)
             self._evictable += n
             self._stored += n
@@ -346,6 +381,7 @@ class PrimaryTier:
             n = len(done)
             self._failed += n
         self._pending -= n
+        return done
 
     # -- events, reset, stats ------------------------------------------------------------
     def take_events(self) -> list[TierEvent]:

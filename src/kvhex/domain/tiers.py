@@ -14,7 +14,15 @@ from typing import ClassVar
 
 import attrs
 
-__all__ = ["Locality", "LookupResult", "Medium", "TierFilter", "TierIdentity", "TierMatcher"]
+__all__ = [
+    "Locality",
+    "LookupResult",
+    "Medium",
+    "OffloadPolicy",
+    "TierFilter",
+    "TierIdentity",
+    "TierMatcher",
+]
 
 _MEDIUM_NAME = re.compile(r"[A-Z][A-Z0-9_]{0,63}")
 
@@ -64,6 +72,15 @@ class LookupResult(enum.Enum):
     """Present but not readable yet: its write or promotion is still in flight."""
     RETRY = "retry"
     """Unknown yet (an existence probe is in flight); ask again on a later step."""
+
+
+class OffloadPolicy(enum.Enum):
+    """Which chunks of a request are offered for offloading (vLLM's names)."""
+
+    CHUNK_LEVEL = "chunk_level"
+    """Only newly computed chunks (prefix hits are skipped)."""
+    REQUEST_LEVEL = "request_level"
+    """Every chunk, prefix hits included: some tier needs the complete context."""
 
 
 @attrs.frozen(slots=True)

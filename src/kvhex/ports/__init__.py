@@ -3,8 +3,11 @@
 Each port lives in its own module, speaks only domain types, and documents per method who
 calls it, from which thread, whether it blocks, who owns buffers and what it raises. The
 eviction-policy boundary lives in :mod:`kvhex.domain.policies.base` because the pure primary
-tier itself drives it; the IO ports (tier storage, device transfer, host buffer, event sink)
-are added here as the service gains them.
+tier itself drives it.
 """
 
-__all__: list[str] = []
+from kvhex.ports.events import EventSource
+from kvhex.ports.host_buffer import HostBuffer
+from kvhex.ports.tier_store import RequestAware, TierStore
+
+__all__ = ["EventSource", "HostBuffer", "RequestAware", "TierStore"]

@@ -1,3 +1,7 @@
-"""Orchestration over ports (tiering manager, event pipeline, engine facade); no IO of its own."""
+"""Orchestration over ports (tiering manager, engine facade); no IO of its own."""
 
-__all__: list[str] = []
+from kvhex.service.engine import OffloadEngine
+from kvhex.service.probes import ProbeCache
+from kvhex.service.tiering import TieringManager, TieringStats, TierStats
+
+__all__ = ["OffloadEngine", "ProbeCache", "TierStats", "TieringManager", "TieringStats"]

@@ -9,9 +9,12 @@ runs every check of the contract against your plugin::
         def make_policy(self, capacity):
             return MyPolicy(capacity)
 
-Needs pytest (``pip install 'kvhex[testing]'``).
+Two contracts ship: ``EvictionPolicyContract`` (``make_policy(capacity)``) and
+``TierStoreContract`` (``make_store(host)``). Run them with pytest
+(``pip install 'kvhex[testing]'``).
 """
 
 from kvhex.testing.policy_contract import EvictionPolicyContract, policy_key
+from kvhex.testing.tier_store_contract import TierStoreContract
 
-__all__ = ["EvictionPolicyContract", "policy_key"]
+__all__ = ["EvictionPolicyContract", "TierStoreContract", "policy_key"]

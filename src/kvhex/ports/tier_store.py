@@ -1,0 +1,91 @@
+"""``TierStore``: a secondary tier's storage medium (files, an object store, memory, ...).
+
+Every call comes from the tiering manager on the scheduler thread and must not block on IO,
+except ``drain`` and ``close``. Jobs are submitted, then reported exactly once through
+``poll``. The tier owns the events of the storage it owns (``take_events``): it announces
+``Stored(keys, identity, job.ctx)`` when a put made keys readable, ``Removed`` when keys stop
+being readable (eviction, delete, corruption), and nothing for failures.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol, runtime_checkable
+
+from kvhex.domain.jobs import JobResult, TierJob
+from kvhex.domain.keys import OffloadKey
+from kvhex.domain.request import ReqContext
+from kvhex.domain.tiers import TierIdentity
+from kvhex.ports.events import EventSource
+
+__all__ = ["RequestAware", "TierStore"]
+
+
+@runtime_checkable
+class TierStore(EventSource, Protocol):
+    """A secondary tier. Built with the ``HostBuffer`` whose slots its jobs name."""
+
+    @property
+    def identity(self) -> TierIdentity:
+        """Medium, locality and ownership name announced in this tier's events."""
+        ...
+
+    def submit_put(self, job: TierJob) -> None:
+        """Copy ``job.slots`` into the tier under ``job.keys``, asynchronously.
+
+        The slots stay pinned (unchanged, not evicted) until the job's result was polled. Keys
+        already present may be skipped. Never raises for an IO failure: that is a failed
+        ``JobResult``. Raises ``TierError`` only when the tier cannot accept work at all.
+        """
+        ...
+
+    def submit_get(self, job: TierJob) -> None:
+        """Copy the blocks of ``job.keys`` into the reserved ``job.slots``, asynchronously.
+
+        A block that is missing, truncated or fails its integrity check fails the job (or is
+        left out of ``ok_keys`` for a partial success); a corrupt block is never written into
+        a slot reported as loaded.
+        """
+        ...
+
+    def submit_probe(self, job: TierJob) -> None:
+        """Find out which of ``job.keys`` exist, asynchronously; reported as ``found``."""
+        ...
+
+    def poll(self) -> list[JobResult]:
+        """Results of jobs finished since the last call, each job exactly once. Never blocks."""
+        ...
+
+    def delete(self, keys: Sequence[OffloadKey]) -> None:
+        """Remove ``keys`` (absent keys are ignored) and announce the removal of those present."""
+        ...
+
+    def drain(self) -> None:
+        """Block until every submitted job finished; their results are then in ``poll``.
+
+        Does not abort a transfer mid-flight; queued jobs may be cancelled but are then
+        reported as failed.
+        """
+        ...
+
+    def close(self) -> None:
+        """Release threads, files and connections. Idempotent. Jobs still queued fail."""
+        ...
+
+
+@runtime_checkable
+class RequestAware(Protocol):
+    """Optional: a tier that wants request lifecycle callbacks."""
+
+    def wants_every_chunk(self, ctx: ReqContext) -> bool:
+        """True when the tier needs every chunk of this request (REQUEST_LEVEL), also those
+        the host tier already holds. Called once per request, at its start."""
+        ...
+
+    def touch(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> None:
+        """The request used ``keys`` (recency hint). Never blocks."""
+        ...
+
+    def on_request_finished(self, ctx: ReqContext) -> None:
+        """No more submissions for ``ctx`` will follow (jobs may still be in flight)."""
+        ...

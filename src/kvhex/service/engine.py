@@ -1,0 +1,104 @@
+"""``OffloadEngine``: the facade an serving engine calls.
+
+Its methods mirror vLLM's ``OffloadingManager`` contract (lookup, prepare_load, touch,
+complete_load, prepare_store, complete_store, on_new_request, on_request_finished,
+on_schedule_end, take_events, has_pending_work, reset, shutdown, stats), so an engine adapter
+is a thin translation. It owns the lifecycle: after ``shutdown`` every call raises
+``StateError`` instead of touching released host memory.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from kvhex.domain.events import TierEvent
+from kvhex.domain.keys import OffloadKey
+from kvhex.domain.primary import StorePlan
+from kvhex.domain.request import ReqContext
+from kvhex.domain.tiers import LookupResult, OffloadPolicy
+from kvhex.errors import StateError
+from kvhex.service.tiering import TieringManager, TieringStats
+
+__all__ = ["OffloadEngine"]
+
+
+class OffloadEngine:
+    """What an engine talks to: a tiering manager behind vLLM's manager contract."""
+
+    __slots__ = ("_closed", "_manager")
+
+    def __init__(self, manager: TieringManager) -> None:
+        self._manager = manager
+        self._closed = False
+
+    def _live(self, operation: str) -> TieringManager:
+        if self._closed:
+            raise StateError(operation, b"", "refused: the engine was shut down")
+        return self._manager
+
+    def lookup(self, key: OffloadKey, ctx: ReqContext) -> LookupResult:
+        """Is the chunk offloaded and readable? See ``TieringManager.lookup``."""
+        return self._live("lookup").lookup(key, ctx)
+
+    def prepare_load(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> list[int]:
+        """Pin the host slots of ``keys`` (answered ``HIT``) for a device load."""
+        return self._live("prepare_load").prepare_load(keys, ctx)
+
+    def touch(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> None:
+        """Mark ``keys`` recently used in every tier."""
+        self._live("touch").touch(keys, ctx)
+
+    def complete_load(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> None:
+        """The device load of ``keys`` finished."""
+        self._live("complete_load").complete_load(keys, ctx)
+
+    def prepare_store(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> StorePlan | None:
+        """Reserve host slots for new keys; ``None`` when the host tier is full."""
+        return self._live("prepare_store").prepare_store(keys, ctx)
+
+    def complete_store(
+        self, keys: Sequence[OffloadKey], ctx: ReqContext, success: bool = True
+    ) -> None:
+        """The device -> host store of ``keys`` finished (or failed)."""
+        self._live("complete_store").complete_store(keys, ctx, success)
+
+    def on_new_request(self, ctx: ReqContext) -> OffloadPolicy:
+        """First sight of a request; its offload policy."""
+        return self._live("on_new_request").on_new_request(ctx)
+
+    def on_request_finished(self, ctx: ReqContext) -> None:
+        """No more submissions for ``ctx`` (completions may still arrive)."""
+        self._live("on_request_finished").on_request_finished(ctx)
+
+    def on_schedule_end(self) -> None:
+        """Once per scheduler step."""
+        self._live("on_schedule_end").on_schedule_end()
+
+    def take_events(self) -> list[TierEvent]:
+        """Raw tier events since the last call (primary first, then tiers in order)."""
+        return self._live("take_events").take_events()
+
+    def has_pending_work(self) -> bool:
+        """Keep the engine stepping while True. False once shut down."""
+        return not self._closed and self._manager.has_pending_work()
+
+    def reset(self) -> None:
+        """Drain tiers and empty the host tier (persistent tiers keep their data)."""
+        self._live("reset").reset()
+
+    def shutdown(self) -> None:
+        """Close every tier (reverse order), then the host buffer. Idempotent once it
+        succeeded; a failed shutdown raises ``TierError`` and may be retried."""
+        if self._closed:
+            return
+        self._manager.shutdown()
+        self._closed = True
+
+    def stats(self) -> TieringStats:
+        """Counters of the host tier and every secondary tier."""
+        return self._manager.stats()
+
+    @property
+    def manager(self) -> TieringManager:
+        """The tiering manager behind the facade."""
+        return self._manager
