@@ -3,7 +3,8 @@
 Drives a synthetic serving trace (multi-chunk requests over Zipf-popular shared prefixes: a
 lookup per chunk until the first miss, touch + load + complete_load of the hit prefix, store +
 complete_store of the rest, events drained every step) through kvhex's ``PrimaryTier`` and,
-when vLLM is importable, through vLLM's ``CPUOffloadingManager`` with the same requests.
+when vLLM is importable, through vLLM's ``CPUOffloadingManager`` with the same requests,
+alternating between the two every 512 requests so machine drift hits both alike.
 Prints the median microseconds per call of each operation type and the kvhex/vLLM ratio, then
 bytes per resident chunk in the index at 1M chunks (tracemalloc).
 
@@ -63,10 +64,12 @@ def run(
     max_ops: int,
     make_ctx: Callable[[str], Any],
     hit: Any,
-) -> tuple[dict[str, list[int]], dict[str, int]]:
-    """Replay ``trace`` until ``max_ops`` calls; per-call nanoseconds per operation type."""
+    samples: dict[str, list[int]],
+    counts: dict[str, int],
+) -> None:
+    """Replay ``trace`` until ``counts["ops"]`` reaches ``max_ops``, appending per-call
+    nanoseconds per operation type to ``samples`` (called block by block)."""
     pc = time.perf_counter_ns
-    samples: dict[str, list[int]] = {op: [] for op in OPS}
     s_lookup, s_touch = samples["lookup"], samples["touch"]
     s_pload, s_cload = samples["prepare_load"], samples["complete_load"]
     s_pstore, s_cstore = samples["prepare_store"], samples["complete_store"]
@@ -75,8 +78,7 @@ def run(
     prepare_load, complete_load = manager.prepare_load, manager.complete_load
     prepare_store, complete_store = manager.prepare_store, manager.complete_store
     take_events = manager.take_events
-    counts = {"lookups": 0, "hits": 0, "chunks": 0, "store_none": 0, "chunks_stored": 0}
-    ops = 0
+    ops = counts["ops"]
     for req_no, keys in trace:
         if ops >= max_ops:
             break
@@ -135,7 +137,6 @@ def run(
             for _ in take_events():
                 pass
     counts["ops"] = ops
-    return samples, counts
 
 
 def kvhex_manager(num_slots: int, policy: str) -> PrimaryTier:
@@ -189,32 +190,42 @@ def main() -> None:
         f"timer overhead {overhead} ns subtracted"
     )
 
-    results: dict[str, tuple[dict[str, list[int]], dict[str, int]]] = {}
-    gc.collect()
-    gc.freeze()
-    results["kvhex"] = run(
-        "kvhex",
-        kvhex_manager(args.slots, args.policy),
-        trace,
-        max_ops=args.ops,
-        make_ctx=ReqContext,
-        hit=LookupResult.HIT,
-    )
+    managers: dict[str, tuple[Any, Callable[[str], Any], Any]] = {
+        "kvhex": (kvhex_manager(args.slots, args.policy), ReqContext, LookupResult.HIT),
+    }
     vllm = vllm_classes()
     if vllm is None:
         print("vllm: not installed")
     else:
         cpu_manager, vllm_ctx, vllm_lookup = vllm
-        manager = cpu_manager(args.slots, cache_policy=args.policy, enable_events=True)
-        gc.collect()
-        results["vllm"] = run(
-            "vllm",
-            manager,
-            trace,
-            max_ops=args.ops,
-            make_ctx=lambda rid: vllm_ctx(req_id=rid),
-            hit=vllm_lookup.HIT,
+        managers["vllm"] = (
+            cpu_manager(args.slots, cache_policy=args.policy, enable_events=True),
+            lambda rid: vllm_ctx(req_id=rid),
+            vllm_lookup.HIT,
         )
+    results: dict[str, tuple[dict[str, list[int]], dict[str, int]]] = {
+        impl: (
+            {op: [] for op in OPS},
+            {"ops": 0, "lookups": 0, "hits": 0, "chunks": 0, "store_none": 0, "chunks_stored": 0},
+        )
+        for impl in managers
+    }
+    gc.collect()
+    gc.freeze()
+    block = 512  # alternate implementations block by block: machine drift hits both alike
+    for begin in range(0, len(trace), block):
+        for impl, (manager, make_ctx, hit) in managers.items():
+            samples, counts = results[impl]
+            run(
+                impl,
+                manager,
+                trace[begin : begin + block],
+                max_ops=args.ops,
+                make_ctx=make_ctx,
+                hit=hit,
+                samples=samples,
+                counts=counts,
+            )
     gc.unfreeze()
 
     def med(xs: list[int]) -> float:

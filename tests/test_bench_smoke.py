@@ -11,11 +11,47 @@ BENCH = Path(__file__).parent.parent / "bench"
 
 def test_primary_tier_bench_runs_and_reports_every_operation() -> None:
     out = subprocess.run(
-        [sys.executable, str(BENCH / "primary_tier.py"), "--ops", "3000", "--slots", "200",
-         "--prefixes", "100", "--index-chunks", "2000"],
-        capture_output=True, text=True, check=True, timeout=120,
-    ).stdout  # fmt: skip
+        [
+            sys.executable,
+            str(BENCH / "primary_tier.py"),
+            "--ops",
+            "3000",
+            "--slots",
+            "200",
+            "--prefixes",
+            "100",
+            "--index-chunks",
+            "2000",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=120,
+    ).stdout
     for op in ("lookup", "touch", "prepare_load", "complete_load", "prepare_store"):
         assert f"\n{op} " in out
     assert "index memory at 2000 resident chunks: kvhex" in out
     assert ("vllm: not installed" in out) or ("kvhex/vllm" in out)
+
+
+def test_tiering_bench_runs_and_reports_both_columns() -> None:
+    out = subprocess.run(
+        [
+            sys.executable,
+            str(BENCH / "tiering.py"),
+            "--ops",
+            "4000",
+            "--slots",
+            "200",
+            "--prefixes",
+            "100",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=120,
+    ).stdout
+    for op in ("lookup", "store lifecycle", "load lifecycle", "step end"):
+        assert f"\n{op} " in out
+    assert "excl. tier adapters" in out
+    assert "mem0:" in out

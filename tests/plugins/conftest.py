@@ -16,12 +16,21 @@ FIXTURES = Path(__file__).parent.parent / "fixtures"
 def _install(name: str, target: Path) -> Path:
     subprocess.run(
         [
-            sys.executable, "-m", "pip", "install", "--quiet", "--disable-pip-version-check",
-            "--no-deps", "--no-build-isolation", "--no-index", "--target", str(target),
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "--quiet",
+            "--disable-pip-version-check",
+            "--no-deps",
+            "--no-build-isolation",
+            "--no-index",
+            "--target",
+            str(target),
             str(FIXTURES / name),
         ],
         check=True,
-    )  # fmt: skip
+    )
     return target
 
 

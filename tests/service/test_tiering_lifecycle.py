@@ -30,8 +30,14 @@ HIT, MISS = LookupResult.HIT, LookupResult.MISS
 class RecordingTier(MemoryTierStore):
     """A request-aware in-memory tier that writes what it hears into a shared journal."""
 
-    def __init__(self, host: MemoryHostBuffer, journal: list[tuple[str, str, object]],
-                 name: str, *, every_chunk: bool = False) -> None:  # fmt: skip
+    def __init__(
+        self,
+        host: MemoryHostBuffer,
+        journal: list[tuple[str, str, object]],
+        name: str,
+        *,
+        every_chunk: bool = False,
+    ) -> None:
         super().__init__(host, capacity_bytes=64 * SLOT_BYTES, name=name)
         self.journal = journal
         self.every_chunk = every_chunk
@@ -85,8 +91,11 @@ def test_29_tiers_hear_finished_only_after_the_last_cascade_was_submitted() -> N
     assert [kind for kind, _, _ in journal] == []
     world.manager.complete_store(plan.keys, ctx)
     assert [(kind, who) for kind, who, _ in journal] == [
-        ("put", "t0"), ("put", "t1"), ("finished", "t0"), ("finished", "t1"),
-    ]  # fmt: skip
+        ("put", "t0"),
+        ("put", "t1"),
+        ("finished", "t0"),
+        ("finished", "t1"),
+    ]
     assert world.manager.stats().active_requests == 0
 
 
@@ -168,9 +177,11 @@ def test_backpressure_drops_cascades_to_a_slow_tier_and_counts_them() -> None:
     slow.report_latency(2.0)
     fast.report_latency(0.01)
     manager = TieringManager(
-        primary, [slow, fast], host=host,
+        primary,
+        [slow, fast],
+        host=host,
         admission=lambda _i: EmaBackpressure(high_water_s=1.0, low_water_s=0.5, warmup=2),
-    )  # fmt: skip
+    )
     ctx = ReqContext("r")
     for i in range(8):
         plan = manager.prepare_store(keys(i), ctx)

@@ -80,8 +80,12 @@ class TieringMachine(RuleBasedStateMachine):
         self._new_request()
 
     @precondition(lambda self: self.requests)
-    @rule(i=st.integers(0, 10), start=st.integers(0, 8), n=st.integers(1, 4),
-          then=st.sampled_from(["ok", "ok", "fail", "later"]))  # fmt: skip
+    @rule(
+        i=st.integers(0, 10),
+        start=st.integers(0, 8),
+        n=st.integers(1, 4),
+        then=st.sampled_from(["ok", "ok", "fail", "later"]),
+    )
     def store(self, i: int, start: int, n: int, then: str) -> None:
         ctx = self._ctx(i)
         ids = range(start, start + n)
@@ -137,8 +141,7 @@ class TieringMachine(RuleBasedStateMachine):
         self.manager.reset()
         self.outstanding.clear()  # the engine drops completions from before a reset
 
-    @rule(tier=st.integers(0, 1), kind=st.sampled_from(["put", "get", "partial", "probe"]),
-          ids=IDS)  # fmt: skip
+    @rule(tier=st.integers(0, 1), kind=st.sampled_from(["put", "get", "partial", "probe"]), ids=IDS)
     def inject_fault(self, tier: int, kind: str, ids: list[int]) -> None:
         store = self.tiers[tier]
         if kind == "put":

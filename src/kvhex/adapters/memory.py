@@ -217,17 +217,7 @@ class MemoryTierStore:
             result = self._get(job)
         else:
             result = self._probe(job)
-        self._results.append(
-            JobResult(
-                result.job_id,
-                result.success,
-                result.ok_keys,
-                result.found,
-                result.nbytes,
-                seconds,
-                result.error,
-            )
-        )
+        self._results.append(result._replace(seconds=seconds))
 
     def _put(self, job: TierJob) -> JobResult:
         if self._fail_puts:

@@ -21,7 +21,7 @@ hot path: a key that could never have been stored is a ``MISS``; an unhashable o
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import NamedTuple
 
 import attrs
@@ -177,6 +177,24 @@ class PrimaryTier:
         """The host slot holding ``key`` (any state), or ``None``."""
         return self._index.get(key)
 
+    def read_view(self) -> tuple[Mapping[OffloadKey, int], Sequence[int]]:
+        """``(index, ref_counts)``: live, read-only references for a composing manager's hot
+        path (key -> slot, and slot -> ref count: -1 pending, 0 evictable, > 0 pinned).
+        They stay valid across :meth:`reset`. Never mutate them."""
+        return self._index, self._refs
+
+    def slots_of(self, keys: Sequence[OffloadKey]) -> list[int]:
+        """The host slots of resident ``keys``, co-indexed.
+
+        Raises:
+            StateError: a key is not resident.
+        """
+        index = self._index
+        try:
+            return [index[key] for key in keys]
+        except KeyError as exc:
+            raise StateError("slots_of", exc.args[0], "not stored") from None
+
     def ref_count(self, key: OffloadKey) -> int | None:
         """``-1`` pending, ``0`` evictable, ``> 0`` pinned; ``None`` if absent."""
         slot = self._index.get(key)
@@ -202,14 +220,15 @@ class PrimaryTier:
         """
         self._unpin(keys, "complete_load")
 
-    def pin(self, keys: Sequence[OffloadKey]) -> list[int]:
-        """Pin ``keys`` for a secondary tier reading them (a cascade put); their slots.
-        Like ``prepare_load`` but not counted as a device load.
+    def pin(self, keys: Sequence[OffloadKey], times: int = 1) -> list[int]:
+        """Pin ``keys`` ``times`` times, once per secondary tier about to read them (a cascade
+        put); their slots. Like ``prepare_load`` but not counted as a device load. Each pin is
+        released by one :meth:`unpin`.
 
         Raises:
             StateError: a key is absent or its write is still pending (nothing is pinned).
         """
-        return self._pin(keys, "pin")
+        return self._pin(keys, "pin", times)
 
     def unpin(self, keys: Sequence[OffloadKey]) -> None:
         """Release pins taken by :meth:`pin`.
@@ -219,7 +238,7 @@ class PrimaryTier:
         """
         self._unpin(keys, "unpin")
 
-    def _pin(self, keys: Sequence[OffloadKey], operation: str) -> list[int]:
+    def _pin(self, keys: Sequence[OffloadKey], operation: str, times: int = 1) -> list[int]:
         index, refs = self._index, self._refs
         slots = []
         for key in keys:
@@ -238,7 +257,7 @@ class PrimaryTier:
             if refs[slot] == 0:
                 self._evictable -= 1
                 mark_pinned(key)
-            refs[slot] += 1
+            refs[slot] += times
         return slots
 
     def _unpin(self, keys: Sequence[OffloadKey], operation: str) -> None:
@@ -252,12 +271,18 @@ class PrimaryTier:
                 raise StateError(operation, key, "not stored" if slot is None else "not pinned")
             refs[slot] -= 1
             slots.append(slot)
-        # dict, not list: a key listed twice reaches zero once and is marked once
-        unpinned = {key: None for key, slot in zip(keys, slots, strict=True) if refs[slot] == 0}
         mark_evictable = self._policy.mark_evictable
-        for key in unpinned:
-            mark_evictable(key)
-        self._evictable += len(unpinned)
+        freed = 0
+        for key, slot in zip(keys, slots, strict=True):
+            if refs[slot] == 0:
+                refs[slot] = -2  # marks "already released" when a key is listed twice
+                mark_evictable(key)
+                freed += 1
+        if freed:
+            for slot in slots:
+                if refs[slot] == -2:
+                    refs[slot] = 0
+            self._evictable += freed
 
     def touch(self, keys: Sequence[OffloadKey], ctx: ReqContext | None = None) -> None:
         """Mark ``keys`` recently used (forwarded to the policy with the exact ``ctx``)."""
@@ -341,7 +366,11 @@ class PrimaryTier:
         return self._key_length
 
     def complete_store(
-        self, keys: Sequence[OffloadKey], ctx: ReqContext | None = None, success: bool = True
+        self,
+        keys: Sequence[OffloadKey],
+        ctx: ReqContext | None = None,
+        success: bool = True,
+        pin: int = 0,
     ) -> list[OffloadKey]:
         """Finish the writes of ``keys``. Only keys whose write is pending are affected, so a
         second completion, or an over-broad key list, is a no-op for the others.
@@ -349,21 +378,25 @@ class PrimaryTier:
         On success the keys become readable and evictable and one ``Stored`` (carrying
         ``ctx``) is appended. On failure their slots are freed and nothing is announced.
         Returns the keys this call completed (made readable, or freed on failure).
+
+        ``pin`` > 0 completes and pins the stored keys that many times in one step (one pin
+        per secondary tier about to read them), each released by one :meth:`unpin`.
         """
         index, refs = self._index, self._refs
         done: list[OffloadKey] = []
         if success:
-            mark_evictable = self._policy.mark_evictable
+            mark = self._policy.mark_pinned if pin else self._policy.mark_evictable
             for key in keys:
                 slot = index.get(key)
                 if slot is not None and refs[slot] == -1:
-                    refs[slot] = 0
-                    mark_evictable(key)
+                    refs[slot] = pin
+                    mark(key)
                     done.append(key)
             if not done:
                 return done
             n = len(done)
-            self._evictable += n
+            if not pin:
+                self._evictable += n
             self._stored += n
             if self._record_events:
                 self._events.append(Stored(tuple(done), self.identity, ctx))
@@ -394,7 +427,7 @@ class PrimaryTier:
         """Forget every chunk and announce ``Cleared``. Events not yet taken are kept (they
         precede the ``Cleared``). The learned key length and cumulative counters are kept."""
         self._index.clear()
-        self._refs = [0] * self._pool.num_slots
+        self._refs[:] = [0] * self._pool.num_slots  # in place: readers hold this list
         self._pool.reset()
         self._policy.clear()
         if self._tracker is not None:

@@ -143,6 +143,9 @@ class TieringManager:
         ]
         self._requests: dict[ReqContext, _Request] = {}
         self._hits_this_step: set[OffloadKey] = set()
+        self._remember_hit = self._hits_this_step.add
+        index, self._refs = primary.read_view()
+        self._index_get = index.get
         self._polled = False
         self._closed = False
 
@@ -153,12 +156,18 @@ class TieringManager:
         ``MISS`` nowhere, or the host tier has no room to promote into."""
         if not self._polled:
             self._poll()
-        result = self._primary.lookup(key)
-        if result is not _MISS or not self._tiers:
-            if result is _HIT and self._tiers:
-                # a promotion later this step must not evict a chunk already answered HIT
-                self._hits_this_step.add(key)
-            return result
+        try:
+            slot = self._index_get(key)
+        except TypeError:
+            return self._primary.lookup(key)  # raises the typed InvalidKeyError
+        if slot is not None:
+            if self._refs[slot] < 0:
+                return _PENDING
+            # a promotion later this step must not evict a chunk already answered HIT
+            self._remember_hit(key)
+            return _HIT
+        if not self._tiers:
+            return _MISS
         retry = False
         allows = ctx.tier_filter.allows
         for tier in self._tiers:
@@ -227,26 +236,49 @@ class TieringManager:
     ) -> None:
         """Finish a device -> host store; on success cascade to every admitted tier.
         A failed store never cascades."""
-        done = self._primary.complete_store(keys, ctx, success)
-        if success and done:
-            self._cascade(done, ctx, range(len(self._tiers)))
+        if success and self._tiers:
+            admitted = self._admit(range(len(self._tiers)), len(keys))
+            # complete and pin once per admitted tier in one pass over the keys
+            done = self._primary.complete_store(keys, ctx, True, pin=len(admitted))
+            if done and admitted:
+                self._submit_puts(admitted, done, ctx)
+        else:
+            self._primary.complete_store(keys, ctx, success)
         request = self._requests.get(ctx)
         if request is not None:
             if request.pending_stores > 0:
                 request.pending_stores -= 1
             self._maybe_finalize(request)
 
+    def _admit(self, tier_indices: Sequence[int], n_keys: int) -> list[_Tier]:
+        admitted = []
+        for i in tier_indices:
+            tier = self._tiers[i]
+            if tier.admission.admit(n_keys):
+                admitted.append(tier)
+            else:
+                tier.stats.cascades_dropped += 1
+                tier.stats.keys_dropped += n_keys
+        return admitted
+
     def _cascade(
         self, keys: Sequence[OffloadKey], ctx: ReqContext | None, tier_indices: Sequence[int]
     ) -> None:
-        for i in tier_indices:
-            tier = self._tiers[i]
-            if not tier.admission.admit(len(keys)):
-                tier.stats.cascades_dropped += 1
-                tier.stats.keys_dropped += len(keys)
-                continue
-            slots = self._primary.pin(keys)
-            job = TierJob(self._new_job_id(), JobKind.PUT, tuple(keys), tuple(slots), ctx)
+        """Put ready host chunks ``keys`` into the given tiers (those admitting them)."""
+        admitted = self._admit(tier_indices, len(keys))
+        if admitted:
+            self._primary.pin(keys, times=len(admitted))
+            self._submit_puts(admitted, keys, ctx)
+
+    def _submit_puts(
+        self, admitted: list[_Tier], keys: Sequence[OffloadKey], ctx: ReqContext | None
+    ) -> None:
+        """One put job per tier over chunks already pinned once per tier."""
+        slots = tuple(self._primary.slots_of(keys))
+        job_keys = tuple(keys)
+        for tier in admitted:
+            self._next_job += 1
+            job = TierJob(JobId(self._next_job), JobKind.PUT, job_keys, slots, ctx)
             tier.stats.puts_submitted += 1
             self._submit(tier, job, tier.store.submit_put)
 
@@ -375,8 +407,10 @@ class TieringManager:
                 stats.puts_ok += 1
                 stats.keys_put += len(job.keys)
                 stats.bytes_put += result.nbytes
-                tier.missing.difference_update(job.keys)
-                tier.probes.set_answer(job.keys, found=True)
+                if tier.missing:
+                    tier.missing.difference_update(job.keys)
+                if len(tier.probes):
+                    tier.probes.set_answer(job.keys, found=True)
             else:
                 stats.puts_failed += 1
                 log.info(

@@ -52,8 +52,13 @@ class TierStoreContract:
 
     _next = 0
 
-    def _job(self, kind: JobKind, keys: Iterable[OffloadKey], slots: Iterable[int] = (),
-             ctx: ReqContext | None = None) -> TierJob:  # fmt: skip
+    def _job(
+        self,
+        kind: JobKind,
+        keys: Iterable[OffloadKey],
+        slots: Iterable[int] = (),
+        ctx: ReqContext | None = None,
+    ) -> TierJob:
         TierStoreContract._next += 1
         return TierJob(JobId(TierStoreContract._next), kind, tuple(keys), tuple(slots), ctx)
 
@@ -85,8 +90,15 @@ class TierStoreContract:
             data.append(payload)
         return data
 
-    def _put(self, store: TierStore, host: MemoryHostBuffer, ids: list[int], *,
-             seed: int = 0, ctx: ReqContext | None = None) -> dict[OffloadKey, bytes]:  # fmt: skip
+    def _put(
+        self,
+        store: TierStore,
+        host: MemoryHostBuffer,
+        ids: list[int],
+        *,
+        seed: int = 0,
+        ctx: ReqContext | None = None,
+    ) -> dict[OffloadKey, bytes]:
         keys = self._keys(*ids)
         slots = list(range(len(keys)))
         data = self._fill(host, slots, seed)
