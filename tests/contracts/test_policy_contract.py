@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
+from kvhex.domain import OffloadKey
 from kvhex.domain.policies import ArcPolicy, EvictionPolicy, LruPolicy
 from kvhex.testing import EvictionPolicyContract
 
@@ -26,7 +29,7 @@ class TestArcSmallCapacityContract(EvictionPolicyContract):
 class BrokenPolicy(LruPolicy):
     """Ignores pins: the contract must catch it."""
 
-    def mark_pinned(self, key: bytes) -> None:  # type: ignore[override]
+    def mark_pinned(self, keys: Sequence[OffloadKey]) -> None:
         return None
 
 

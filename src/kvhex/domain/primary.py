@@ -252,12 +252,14 @@ class PrimaryTier:
             if refs[slot] < 0:
                 raise StateError(operation, key, "write pending")
             slots.append(slot)
-        mark_pinned = self._policy.mark_pinned
+        newly_pinned = []
         for key, slot in zip(keys, slots, strict=True):
             if refs[slot] == 0:
-                self._evictable -= 1
-                mark_pinned(key)
+                newly_pinned.append(key)
             refs[slot] += times
+        if newly_pinned:
+            self._evictable -= len(newly_pinned)
+            self._policy.mark_pinned(newly_pinned)
         return slots
 
     def _unpin(self, keys: Sequence[OffloadKey], operation: str) -> None:
@@ -271,18 +273,17 @@ class PrimaryTier:
                 raise StateError(operation, key, "not stored" if slot is None else "not pinned")
             refs[slot] -= 1
             slots.append(slot)
-        mark_evictable = self._policy.mark_evictable
-        freed = 0
+        freed = []
         for key, slot in zip(keys, slots, strict=True):
             if refs[slot] == 0:
                 refs[slot] = -2  # marks "already released" when a key is listed twice
-                mark_evictable(key)
-                freed += 1
+                freed.append(key)
         if freed:
             for slot in slots:
                 if refs[slot] == -2:
                     refs[slot] = 0
-            self._evictable += freed
+            self._evictable += len(freed)
+            self._policy.mark_evictable(freed)
 
     def touch(self, keys: Sequence[OffloadKey], ctx: ReqContext | None = None) -> None:
         """Mark ``keys`` recently used (forwarded to the policy with the exact ``ctx``)."""
@@ -350,11 +351,10 @@ class PrimaryTier:
                 self._events.append(Removed(tuple(victims), self.identity))
         slots = pool.allocate(n)
         refs = self._refs
-        insert = self._policy.insert
         for key, slot in zip(candidates, slots, strict=True):
             index[key] = slot
             refs[slot] = -1
-            insert(key)
+        self._policy.insert(candidates)
         self._pending += n
         self._prepared += n
         return StorePlan(candidates, slots, evicted)
@@ -385,23 +385,23 @@ class PrimaryTier:
         index, refs = self._index, self._refs
         done: list[OffloadKey] = []
         if success:
-            mark = self._policy.mark_pinned if pin else self._policy.mark_evictable
             for key in keys:
                 slot = index.get(key)
                 if slot is not None and refs[slot] == -1:
                     refs[slot] = pin
-                    mark(key)
                     done.append(key)
             if not done:
                 return done
             n = len(done)
-            if not pin:
+            if pin:
+                self._policy.mark_pinned(done)
+            else:
                 self._evictable += n
+                self._policy.mark_evictable(done)
             self._stored += n
             if self._record_events:
                 self._events.append(Stored(tuple(done), self.identity, ctx))
         else:
-            remove = self._policy.remove
             release = self._pool.release
             for key in keys:
                 slot = index.get(key)
@@ -409,9 +409,10 @@ class PrimaryTier:
                     del index[key]
                     refs[slot] = 0
                     release(slot)
-                    remove(key)
                     done.append(key)
             n = len(done)
+            if done:
+                self._policy.remove(done)
             self._failed += n
         self._pending -= n
         return done

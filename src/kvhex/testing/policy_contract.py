@@ -36,9 +36,8 @@ class EvictionPolicyContract:
     # -- helpers -------------------------------------------------------------------------
     def _ready(self, policy: EvictionPolicy, ids: range | list[int]) -> list[OffloadKey]:
         keys = [policy_key(i) for i in ids]
-        for key in keys:
-            policy.insert(key)
-            policy.mark_evictable(key)
+        policy.insert(keys)
+        policy.mark_evictable(keys)
         return keys
 
     # -- checks --------------------------------------------------------------------------
@@ -52,19 +51,18 @@ class EvictionPolicyContract:
 
     def test_pending_keys_are_never_evicted(self) -> None:
         policy = self.make_policy(self.capacity)
-        for i in range(3):
-            policy.insert(policy_key(i))
+        policy.insert([policy_key(i) for i in range(3)])
         assert policy.evict(1, ()) is None
 
     def test_pinned_keys_are_never_evicted(self) -> None:
         policy = self.make_policy(self.capacity)
         a, b, c = self._ready(policy, range(3))
-        policy.mark_pinned(b)
+        policy.mark_pinned([b])
         victims = policy.evict(2, ())
         assert victims is not None
         assert sorted(victims) == sorted([a, c])
         assert policy.evict(1, ()) is None
-        policy.mark_evictable(b)
+        policy.mark_evictable([b])
         assert policy.evict(1, ()) == [b]
 
     def test_protected_keys_are_never_evicted(self) -> None:
@@ -98,8 +96,8 @@ class EvictionPolicyContract:
     def test_removed_keys_are_never_evicted(self) -> None:
         policy = self.make_policy(self.capacity)
         a = policy_key(1)
-        policy.insert(a)
-        policy.remove(a)
+        policy.insert([a])
+        policy.remove([a])
         b = self._ready(policy, [2])[0]
         assert policy.evict(1, ()) == [b]
         assert policy.evict(1, ()) is None
@@ -112,13 +110,29 @@ class EvictionPolicyContract:
         again = self._ready(policy, [7])
         assert policy.evict(1, ()) == again
 
+    def test_batches_apply_to_every_key(self) -> None:
+        policy = self.make_policy(self.capacity)
+        keys = [policy_key(i) for i in range(4)]
+        policy.insert(keys)
+        policy.mark_evictable(keys)
+        policy.mark_pinned(keys[1:3])
+        victims = policy.evict(2, ())
+        assert victims is not None
+        assert sorted(victims) == sorted([keys[0], keys[3]])
+        policy.mark_evictable(keys[1:3])
+        policy.insert([policy_key(9)])
+        policy.remove([policy_key(9)])
+        rest = policy.evict(2, ())
+        assert rest is not None
+        assert sorted(rest) == sorted(keys[1:3])
+
     def test_reinserted_key_is_evictable_again(self) -> None:
         policy = self.make_policy(self.capacity)
         (a,) = self._ready(policy, [1])
         assert policy.evict(1, ()) == [a]
-        policy.insert(a)
+        policy.insert([a])
         assert policy.evict(1, ()) is None
-        policy.mark_evictable(a)
+        policy.mark_evictable([a])
         assert policy.evict(1, ()) == [a]
 
     def test_touch_of_unknown_keys_is_harmless(self) -> None:
@@ -142,20 +156,20 @@ class EvictionPolicyContract:
                 if op < 0.3 and len(state) < self.capacity:
                     key = policy_key(next_id)
                     next_id += 1
-                    policy.insert(key)
+                    policy.insert([key])
                     state[key] = "pending"
                 elif op < 0.45 and resident:
                     key = rng.choice(resident)
                     if state[key] == "pending" and rng.random() < 0.2:
-                        policy.remove(key)
+                        policy.remove([key])
                         del state[key]
                     elif state[key] in ("pending", "pinned"):
-                        policy.mark_evictable(key)
+                        policy.mark_evictable([key])
                         state[key] = "evictable"
                 elif op < 0.55 and resident:
                     key = rng.choice(resident)
                     if state[key] == "evictable":
-                        policy.mark_pinned(key)
+                        policy.mark_pinned([key])
                         state[key] = "pinned"
                 elif op < 0.75:
                     sample = rng.sample(resident, min(len(resident), 3)) if resident else []

@@ -57,32 +57,38 @@ class ArcPolicy:
         return tuple(self._b2)
 
     # -- EvictionPolicy ------------------------------------------------------------------
-    def insert(self, key: OffloadKey) -> None:
-        """New key: most recent in T1, write pending; no longer a ghost."""
-        self._b1.pop(key, None)
-        self._b2.pop(key, None)
-        self._t1[key] = _PENDING
+    def insert(self, keys: Sequence[OffloadKey]) -> None:
+        """New keys: most recent in T1, writes pending; no longer ghosts."""
+        t1, b1, b2 = self._t1, self._b1, self._b2
+        for key in keys:
+            if b1:
+                b1.pop(key, None)
+            if b2:
+                b2.pop(key, None)
+            t1[key] = _PENDING
 
-    def remove(self, key: OffloadKey) -> None:
-        """Forget ``key`` (failed store); ghosts are untouched."""
-        if self._t1.pop(key, None) is None:
-            self._t2.pop(key, None)
+    def remove(self, keys: Sequence[OffloadKey]) -> None:
+        """Forget ``keys`` (failed store); ghosts are untouched."""
+        for key in keys:
+            if self._t1.pop(key, None) is None:
+                self._t2.pop(key, None)
 
-    def mark_evictable(self, key: OffloadKey) -> None:
-        """``key`` may be evicted; its position is unchanged."""
-        self._set_state(key, _EVICTABLE)
+    def mark_evictable(self, keys: Sequence[OffloadKey]) -> None:
+        """``keys`` may be evicted; their positions are unchanged."""
+        self._set_state(keys, _EVICTABLE)
 
-    def mark_pinned(self, key: OffloadKey) -> None:
-        """``key`` must not be evicted; its position is unchanged."""
-        self._set_state(key, _PINNED)
+    def mark_pinned(self, keys: Sequence[OffloadKey]) -> None:
+        """``keys`` must not be evicted; their positions are unchanged."""
+        self._set_state(keys, _PINNED)
 
-    def _set_state(self, key: OffloadKey, state: int) -> None:
-        # assigning to an existing key keeps its position; T2 first, where reused keys live
-        t2 = self._t2
-        if key in t2:
-            t2[key] = state
-        elif key in self._t1:
-            self._t1[key] = state
+    def _set_state(self, keys: Sequence[OffloadKey], state: int) -> None:
+        # assigning to an existing key keeps its position
+        t1, t2 = self._t1, self._t2
+        for key in keys:
+            if key in t1:
+                t1[key] = state
+            elif key in t2:
+                t2[key] = state
 
     def touch(self, keys: Sequence[OffloadKey], ctx: ReqContext | None) -> None:
         """Promote T1 hits to T2 (pending keys stay in T1 as most recent), refresh T2 hits,

@@ -3,10 +3,13 @@
 Key lifecycle as the policy sees it::
 
     insert (write pending) --mark_evictable--> evictable <--mark_pinned / mark_evictable--> pinned
+         |  \\--mark_pinned (completed straight into a pin) ---------------------------^
          \\--remove (failed store)                 \\--evict--> gone
 
 All calls come from the primary tier, on the scheduler's thread, synchronously, and must not
-block or do IO. Only evictable keys may be returned by ``evict``.
+block or do IO. Only evictable keys may be returned by ``evict``. State changes arrive in
+batches (one call per tier operation, not per key): the per-key cost of a Python call is what
+a hot path cannot afford.
 """
 
 from __future__ import annotations
@@ -25,17 +28,18 @@ class EvictionPolicy(Protocol):
     """Orders resident keys for eviction. Built by a :class:`PolicyFactory` with the tier's
     capacity in slots."""
 
-    def insert(self, key: OffloadKey) -> None:
-        """``key`` was just allocated a slot; its write is pending, so it is not evictable."""
+    def insert(self, keys: Sequence[OffloadKey]) -> None:
+        """``keys`` were just allocated slots; their writes are pending (not evictable)."""
 
-    def remove(self, key: OffloadKey) -> None:
-        """``key`` left without being evicted (its store failed). It was not evictable."""
+    def remove(self, keys: Sequence[OffloadKey]) -> None:
+        """``keys`` left without being evicted (their store failed). They were not evictable."""
 
-    def mark_evictable(self, key: OffloadKey) -> None:
-        """``key`` is readable and unpinned (store completed, or its last load finished)."""
+    def mark_evictable(self, keys: Sequence[OffloadKey]) -> None:
+        """``keys`` are readable and unpinned (store completed, or their last load finished)."""
 
-    def mark_pinned(self, key: OffloadKey) -> None:
-        """``key`` is pinned by a reader and must not be evicted until marked evictable."""
+    def mark_pinned(self, keys: Sequence[OffloadKey]) -> None:
+        """``keys`` are pinned by readers (or completed straight into a pin) and must not be
+        evicted until marked evictable."""
 
     def touch(self, keys: Sequence[OffloadKey], ctx: ReqContext | None) -> None:
         """``keys`` were used, in request order (first key = oldest prefix chunk). Keys the

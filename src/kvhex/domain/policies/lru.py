@@ -31,21 +31,29 @@ class LruPolicy:
         self._capacity = capacity
         self._order: OrderedDict[OffloadKey, int] = OrderedDict()
 
-    def insert(self, key: OffloadKey) -> None:
-        """Add ``key`` as most recent, write pending."""
-        self._order[key] = _PENDING
+    def insert(self, keys: Sequence[OffloadKey]) -> None:
+        """Add ``keys`` as most recent, writes pending."""
+        order = self._order
+        for key in keys:
+            order[key] = _PENDING
 
-    def remove(self, key: OffloadKey) -> None:
-        """Forget ``key`` (failed store)."""
-        self._order.pop(key, None)
+    def remove(self, keys: Sequence[OffloadKey]) -> None:
+        """Forget ``keys`` (failed store)."""
+        pop = self._order.pop
+        for key in keys:
+            pop(key, None)
 
-    def mark_evictable(self, key: OffloadKey) -> None:
-        """``key`` may be evicted; its recency is unchanged."""
-        self._order[key] = _EVICTABLE
+    def mark_evictable(self, keys: Sequence[OffloadKey]) -> None:
+        """``keys`` may be evicted; their recency is unchanged."""
+        order = self._order
+        for key in keys:
+            order[key] = _EVICTABLE
 
-    def mark_pinned(self, key: OffloadKey) -> None:
-        """``key`` must not be evicted; its recency is unchanged."""
-        self._order[key] = _PINNED
+    def mark_pinned(self, keys: Sequence[OffloadKey]) -> None:
+        """``keys`` must not be evicted; their recency is unchanged."""
+        order = self._order
+        for key in keys:
+            order[key] = _PINNED
 
     def touch(self, keys: Sequence[OffloadKey], ctx: ReqContext | None) -> None:
         """Make ``keys`` most recent, the first key last (so it ends most recent)."""
