@@ -5,7 +5,18 @@ Imports only the standard library, attrs and ``kvhex.errors``. Read ``keys``, ``
 """
 
 from kvhex.domain.backpressure import AdmissionPolicy, AlwaysAdmit, EmaBackpressure
-from kvhex.domain.events import Cleared, Removed, Stored, TierEvent
+from kvhex.domain.events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    Cleared,
+    EventBatch,
+    PublicEvent,
+    Removed,
+    Stored,
+    TierEvent,
+)
+from kvhex.domain.geometry import CacheKind, KvGeometry, KvGroup
 from kvhex.domain.jobs import JobId, JobKind, JobResult, TierJob
 from kvhex.domain.keys import (
     OffloadKey,
@@ -16,6 +27,7 @@ from kvhex.domain.keys import (
 )
 from kvhex.domain.policies import ArcPolicy, EvictionPolicy, LruPolicy, PolicyFactory
 from kvhex.domain.primary import PrimaryStats, PrimaryTier, StorePlan
+from kvhex.domain.provenance import MmFeature, Provenance
 from kvhex.domain.request import ReqContext
 from kvhex.domain.tiers import (
     Locality,
@@ -26,26 +38,38 @@ from kvhex.domain.tiers import (
     TierIdentity,
     TierMatcher,
 )
+from kvhex.domain.translate import EventTranslator
 
 __all__ = [
     "AdmissionPolicy",
+    "AllBlocksCleared",
     "AlwaysAdmit",
     "ArcPolicy",
+    "BlockRemoved",
+    "BlockStored",
+    "CacheKind",
     "Cleared",
     "EmaBackpressure",
+    "EventBatch",
+    "EventTranslator",
     "EvictionPolicy",
     "JobId",
     "JobKind",
     "JobResult",
+    "KvGeometry",
+    "KvGroup",
     "Locality",
     "LookupResult",
     "LruPolicy",
     "Medium",
+    "MmFeature",
     "OffloadKey",
     "OffloadPolicy",
     "PolicyFactory",
     "PrimaryStats",
     "PrimaryTier",
+    "Provenance",
+    "PublicEvent",
     "Removed",
     "ReqContext",
     "StorePlan",

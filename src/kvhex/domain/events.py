@@ -1,6 +1,6 @@
 """Raw tier events: what one tier says about the storage it owns.
 
-A tier (the host primary tier, a file tier, an object store) appends these as its state
+Raw events: a tier (the host primary tier, a file tier, an object store) appends these as its state
 changes; nothing sends them from the domain. A composing manager only concatenates its tiers'
 streams and never builds one of its own. Translation into vLLM-compatible public events
 (``BlockStored`` with full provenance, ``BlockRemoved``, ``AllBlocksCleared``) happens later,
@@ -13,13 +13,26 @@ readable; a failed store appends nothing.
 
 from __future__ import annotations
 
+from typing import Any
+
 import attrs
 
 from kvhex.domain.keys import OffloadKey
 from kvhex.domain.request import ReqContext
 from kvhex.domain.tiers import TierIdentity
 
-__all__ = ["Cleared", "Removed", "Stored", "TierEvent"]
+__all__ = [
+    "AllBlocksCleared",
+    "BlockRemoved",
+    "BlockStored",
+    "Cleared",
+    "EventBatch",
+    "ExternalHash",
+    "PublicEvent",
+    "Removed",
+    "Stored",
+    "TierEvent",
+]
 
 
 @attrs.frozen(slots=True)
@@ -48,3 +61,65 @@ class Cleared:
 
 
 TierEvent = Stored | Removed | Cleared
+
+
+# -- public events (the consumer-facing schema, same fields as vLLM's wire structs) --------
+
+ExternalHash = bytes | int
+"""A block hash as published: raw bytes, or (vLLM's int switch) the low 64 bits as an int."""
+
+
+@attrs.frozen(slots=True)
+class BlockStored:
+    """Blocks became readable on ``medium``. Full events describe every block: hashes at the
+    group's block size, the parent hash, the tokens, LoRA and per-block extra keys; a
+    placeholder has ``token_ids=[]``, ``block_size=0`` and the chunk key's single hash."""
+
+    block_hashes: list[ExternalHash]
+    parent_block_hash: ExternalHash | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None
+    medium: str | None
+    lora_name: str | None
+    extra_keys: list[tuple[Any, ...] | None] | None = None
+    group_idx: int | None = None
+    kv_cache_spec_kind: str | None = None
+    kv_cache_spec_sliding_window: int | None = None
+    locality: str | None = None
+    ownership: str | None = None
+    session_id: str | None = None
+    lookahead_token_ids: list[list[int]] | None = None
+
+    @property
+    def is_placeholder(self) -> bool:
+        """True when provenance was not available for this store."""
+        return self.block_size == 0
+
+
+@attrs.frozen(slots=True)
+class BlockRemoved:
+    """Blocks stopped being readable on ``medium`` (one event per KV group)."""
+
+    block_hashes: list[ExternalHash]
+    medium: str | None
+    group_idx: int | None = None
+    locality: str | None = None
+    ownership: str | None = None
+
+
+@attrs.frozen(slots=True)
+class AllBlocksCleared:
+    """Every block of the publisher is gone (no medium: consumers drop everything)."""
+
+
+PublicEvent = BlockStored | BlockRemoved | AllBlocksCleared
+
+
+@attrs.frozen(slots=True)
+class EventBatch:
+    """One step's public events, stamped by the publisher."""
+
+    ts: float
+    events: list[PublicEvent]
+    data_parallel_rank: int | None = None

@@ -14,6 +14,7 @@ from typing import Any
 import attrs
 
 from kvhex.domain.keys import OffloadKey
+from kvhex.domain.provenance import Provenance
 from kvhex.domain.tiers import TierFilter
 
 __all__ = ["ReqContext"]
@@ -27,11 +28,15 @@ class ReqContext:
         req_id: the engine's request id (not unique over time).
         transfer_params: the engine's ``kv_transfer_params`` for the request, if any.
         tier_filter: which secondary tiers the request may load from.
+        provenance: what full ``BlockStored`` events are built from (live references to the
+            request's tokens and hashes, geometry, LoRA, multimodal inputs, salt); ``None``
+            for work with no local request behind it (events then carry placeholders).
     """
 
     req_id: str = attrs.field(validator=attrs.validators.instance_of(str))
     transfer_params: Mapping[str, Any] | None = None
     tier_filter: TierFilter = TierFilter.ALL
+    provenance: Provenance | None = None
     _positions: dict[OffloadKey, int] = attrs.field(factory=dict, init=False, repr=False)
 
     def record_position(self, key: OffloadKey, end_token: int) -> None:
@@ -39,8 +44,12 @@ class ReqContext:
         self._positions[key] = end_token
 
     def position(self, key: OffloadKey) -> int | None:
-        """The end-token position recorded for ``key``, or ``None``."""
-        return self._positions.get(key)
+        """The end-token position of ``key``'s chunk (or partial tail) in this request:
+        recorded, or else found by its hash among the request's live block hashes."""
+        end = self._positions.get(key)
+        if end is None and self.provenance is not None:
+            end = self.provenance.hash_position(key[:-4])
+        return end
 
     @property
     def recorded_keys(self) -> int:
