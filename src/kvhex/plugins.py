@@ -28,6 +28,7 @@ import attrs
 
 from kvhex.domain.policies.base import EvictionPolicy
 from kvhex.errors import PluginError
+from kvhex.ports.event_sink import EventSink
 from kvhex.ports.tier_store import TierStore
 
 __all__ = [
@@ -87,7 +88,7 @@ def _factory_of(protocol: type, what: str) -> Checker:
 GROUPS: Mapping[str, Checker | None] = {
     TIERS: _factory_of(TierStore, "tier"),
     TRANSFERS: None,
-    SINKS: None,
+    SINKS: _factory_of(EventSink, "event sink"),
     POLICIES: _factory_of(EvictionPolicy, "policy"),
 }
 """Every entry-point group kvhex reads, with the check a loaded object must pass. Groups

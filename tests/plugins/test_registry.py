@@ -137,10 +137,19 @@ def test_register_refuses_duplicates_without_replace() -> None:
 
 
 def test_groups_without_entries_are_empty() -> None:
-    registry = Registry.discover([TRANSFERS, SINKS])
+    registry = Registry.discover([TRANSFERS])
     assert registry.names(TRANSFERS) == []
     with pytest.raises(PluginError, match="available: none"):
-        registry.load(SINKS, "zmq")
+        registry.load(TRANSFERS, "torch")
+
+
+def test_every_event_sink_is_a_builtin_entry_point_that_loads() -> None:
+    registry = Registry.discover([SINKS])
+    assert registry.names(SINKS) == ["jsonl", "log", "memory", "zmq"]
+    report = registry.load_all(SINKS)
+    assert report.failed == ()
+    zmq_spec = next(s for s in registry.specs(SINKS) if s.name == "zmq")
+    assert zmq_spec.install_hint() == "pip install 'kvhex[zmq]'"
 
 
 def test_primary_capacity_must_hold_one_slot() -> None:

@@ -8,6 +8,7 @@ import pytest
 
 from kvhex.adapters.memory import MemoryHostBuffer, MemoryTierStore
 from kvhex.domain import (
+    BlockStored,
     EmaBackpressure,
     JobId,
     JobResult,
@@ -17,7 +18,6 @@ from kvhex.domain import (
     OffloadPolicy,
     PrimaryTier,
     ReqContext,
-    Stored,
     TierJob,
 )
 from kvhex.errors import StateError, TierError
@@ -303,7 +303,9 @@ def test_engine_facade_drives_the_full_cycle() -> None:
     engine.lookup(key(2), ctx)
     engine.on_schedule_end()
     engine.lookup(key(2), ctx)
-    assert [type(e) for e in engine.take_events()] == [Stored, Stored, Stored]
+    published = engine.take_events()
+    assert [type(e) for e in published] == [BlockStored, BlockStored, BlockStored]
+    assert [e.medium for e in published] == ["CPU", "STORAGE", "STORAGE"]
     assert engine.stats().tiers[0].puts_ok == 1
     engine.reset()
     engine.shutdown()

@@ -12,14 +12,14 @@ import time
 from collections import OrderedDict, deque
 from collections.abc import Sequence
 
-from kvhex.domain.events import Removed, Stored, TierEvent
+from kvhex.domain.events import EventBatch, Removed, Stored, TierEvent
 from kvhex.domain.jobs import JobKind, JobResult, TierJob
 from kvhex.domain.keys import OffloadKey
 from kvhex.domain.tiers import Locality, Medium, TierIdentity
 from kvhex.errors import TierUnavailable
 from kvhex.ports.host_buffer import HostBuffer
 
-__all__ = ["MemoryHostBuffer", "MemoryTierStore"]
+__all__ = ["MemoryEventSink", "MemoryHostBuffer", "MemoryTierStore"]
 
 
 class MemoryHostBuffer:
@@ -275,3 +275,21 @@ class MemoryTierStore:
         return JobResult(
             job.job_id, True, found=frozenset(k for k in job.keys if k in self._blocks)
         )
+
+
+class MemoryEventSink:
+    """Keeps every published batch in a list (for tests and embedding)."""
+
+    def __init__(self) -> None:
+        self.batches: list[EventBatch] = []
+        self.closed = False
+
+    def publish(self, batch: EventBatch) -> None:
+        """Append ``batch``."""
+        if self.closed:
+            raise RuntimeError("memory event sink is closed")
+        self.batches.append(batch)
+
+    def close(self) -> None:
+        """Refuse further batches."""
+        self.closed = True

@@ -6,8 +6,9 @@ eviction-policy boundary lives in :mod:`kvhex.domain.policies.base` because the 
 tier itself drives it.
 """
 
+from kvhex.ports.event_sink import EventSink
 from kvhex.ports.events import EventSource
 from kvhex.ports.host_buffer import HostBuffer
 from kvhex.ports.tier_store import RequestAware, TierStore
 
-__all__ = ["EventSource", "HostBuffer", "RequestAware", "TierStore"]
+__all__ = ["EventSink", "EventSource", "HostBuffer", "RequestAware", "TierStore"]

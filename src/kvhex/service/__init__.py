@@ -1,7 +1,15 @@
 """Orchestration over ports (tiering manager, engine facade); no IO of its own."""
 
 from kvhex.service.engine import OffloadEngine
+from kvhex.service.events import EventPipeline
 from kvhex.service.probes import ProbeCache
 from kvhex.service.tiering import TieringManager, TieringStats, TierStats
 
-__all__ = ["OffloadEngine", "ProbeCache", "TierStats", "TieringManager", "TieringStats"]
+__all__ = [
+    "EventPipeline",
+    "OffloadEngine",
+    "ProbeCache",
+    "TierStats",
+    "TieringManager",
+    "TieringStats",
+]

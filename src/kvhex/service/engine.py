@@ -11,12 +11,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from kvhex.domain.events import TierEvent
+from kvhex.domain.events import PublicEvent
 from kvhex.domain.keys import OffloadKey
 from kvhex.domain.primary import StorePlan
 from kvhex.domain.request import ReqContext
 from kvhex.domain.tiers import LookupResult, OffloadPolicy
 from kvhex.errors import StateError
+from kvhex.service.events import EventPipeline
 from kvhex.service.tiering import TieringManager, TieringStats
 
 __all__ = ["OffloadEngine"]
@@ -25,10 +26,16 @@ __all__ = ["OffloadEngine"]
 class OffloadEngine:
     """What an engine talks to: a tiering manager behind vLLM's manager contract."""
 
-    __slots__ = ("_closed", "_manager")
+    __slots__ = ("_closed", "_manager", "_pipeline")
 
-    def __init__(self, manager: TieringManager) -> None:
+    def __init__(self, manager: TieringManager, pipeline: EventPipeline | None = None) -> None:
+        """Args:
+        manager: the tiering manager.
+        pipeline: translates raw tier events into public events with provenance and
+            publishes them to its sinks (default: translation only, no sink).
+        """
         self._manager = manager
+        self._pipeline = pipeline or EventPipeline()
         self._closed = False
 
     def _live(self, operation: str) -> TieringManager:
@@ -74,9 +81,11 @@ class OffloadEngine:
         """Once per scheduler step."""
         self._live("on_schedule_end").on_schedule_end()
 
-    def take_events(self) -> list[TierEvent]:
-        """Raw tier events since the last call (primary first, then tiers in order)."""
-        return self._live("take_events").take_events()
+    def take_events(self) -> list[PublicEvent]:
+        """This step's public events (primary tier first, then each tier in order), with
+        full provenance where the storing request's context resolves them; also published
+        as one batch to the pipeline's sinks."""
+        return self._pipeline.process(self._live("take_events").take_events())
 
     def has_pending_work(self) -> bool:
         """Keep the engine stepping while True. False once shut down."""
@@ -93,10 +102,17 @@ class OffloadEngine:
             return
         self._manager.shutdown()
         self._closed = True
+        self._pipeline.process(self._manager.take_events())  # the final events still go out
+        self._pipeline.close()
 
     def stats(self) -> TieringStats:
         """Counters of the host tier and every secondary tier."""
         return self._manager.stats()
+
+    @property
+    def pipeline(self) -> EventPipeline:
+        """The event pipeline (translator and sinks)."""
+        return self._pipeline
 
     @property
     def manager(self) -> TieringManager:

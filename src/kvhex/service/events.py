@@ -1,0 +1,65 @@
+"""``EventPipeline``: raw tier events -> translator -> sinks, one batch per step."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+
+import structlog
+
+from kvhex.domain.events import EventBatch, PublicEvent, TierEvent
+from kvhex.domain.translate import EventTranslator
+from kvhex.ports.event_sink import EventSink
+
+__all__ = ["EventPipeline"]
+
+log = structlog.get_logger(__name__)
+
+
+class EventPipeline:
+    """Translates each step's raw events and publishes them as one batch to every sink.
+
+    A sink that fails is logged and counted; the others still receive the batch, and the
+    engine keeps running (events are observability, never a reason to stop serving).
+    """
+
+    def __init__(
+        self,
+        translator: EventTranslator | None = None,
+        sinks: Sequence[EventSink] = (),
+        *,
+        clock: Callable[[], float] = time.time,
+        data_parallel_rank: int | None = None,
+    ) -> None:
+        self.translator = translator or EventTranslator()
+        self.sinks = list(sinks)
+        self._clock = clock
+        self._rank = data_parallel_rank
+        self.batches_published = 0
+        self.publish_failures = 0
+
+    def process(self, raw: list[TierEvent]) -> list[PublicEvent]:
+        """Translate ``raw`` (releasing the contexts it carried); publish the result as one
+        batch if it is not empty; return the public events."""
+        events = self.translator.translate(raw)
+        raw.clear()  # the raw events, and the request contexts they hold, are done
+        if events and self.sinks:
+            batch = EventBatch(self._clock(), events, self._rank)
+            for sink in self.sinks:
+                try:
+                    sink.publish(batch)
+                except Exception as exc:
+                    self.publish_failures += 1
+                    log.warning(
+                        "event_sink_publish_failed", sink=type(sink).__name__, error=repr(exc)
+                    )
+            self.batches_published += 1
+        return events
+
+    def close(self) -> None:
+        """Close every sink; failures are logged, not raised."""
+        for sink in self.sinks:
+            try:
+                sink.close()
+            except Exception as exc:
+                log.warning("event_sink_close_failed", sink=type(sink).__name__, error=repr(exc))
