@@ -3,7 +3,10 @@ interleavings of store, completion (ok or failed), lookup with promotion, device
 end, request finish, reset and injected faults. Checked at every step: ref counts never below
 -1; eviction only ever takes evictable chunks; every readable host slot holds exactly the bytes
 stored for its key; replaying the raw events per (medium, ownership) reproduces each tier's
-resident key set; every Stored names the request whose work stored it."""
+resident key set; every Stored names the request whose work stored it. And for the public
+events: a consumer that reference-counts announcements per (medium, ownership) and ignores
+removals of unknown hashes reconstructs exactly each tier's resident block hashes, and every
+full BlockStored's hashes recompute from its tokens, parent and extra keys."""
 
 from __future__ import annotations
 
@@ -24,8 +27,25 @@ from kvhex.domain import (
     ReqContext,
     Stored,
 )
+from kvhex.domain.events import BlockRemoved, BlockStored
+from kvhex.domain.geometry import KvGeometry, KvGroup
+from kvhex.domain.translate import EventTranslator
 from kvhex.service import TieringManager
-from tests.service.harness import SLOT_BYTES, key, payload
+from tests.domain.requests import make_request, recompute
+from tests.service.harness import SLOT_BYTES, payload
+
+GROUP = KvGroup(0, tokens_per_block=4)
+GEOMETRY = KvGeometry((GROUP,), tokens_per_hash=4)
+# one shared document of 12 chunks: every request is a prefix of it (hashes chain)
+DOCUMENT = make_request("doc", list(range(1000, 1048)), GEOMETRY)
+assert DOCUMENT.provenance is not None
+DOC_HASHES = list(DOCUMENT.provenance.block_hashes)
+
+
+def key(n: int) -> OffloadKey:
+    """Chunk ``n`` of the shared document."""
+    return OffloadKey(DOC_HASHES[n] + b"\0\0\0\0")
+
 
 SLOTS = 6
 IDS = st.lists(st.integers(0, 11), min_size=1, max_size=4, unique=True)
@@ -63,6 +83,8 @@ class TieringMachine(RuleBasedStateMachine):
         self.all_contexts: list[ReqContext] = []
         self.outstanding: list[tuple[ReqContext, list[OffloadKey]]] = []
         self.replayed: dict[tuple[str, str | None], set[OffloadKey]] = {}
+        self.translator = EventTranslator(GEOMETRY)
+        self.counts: dict[tuple[str | None, str | None], dict[bytes | int, int]] = {}
         for _ in range(3):
             self._new_request()
 
@@ -70,7 +92,11 @@ class TieringMachine(RuleBasedStateMachine):
         return self.requests[i % len(self.requests)]
 
     def _new_request(self) -> None:
-        ctx = ReqContext(f"r{len(self.all_contexts) % 3}")  # ids repeat: identity matters
+        n = len(self.all_contexts)
+        # ids repeat (identity matters); every fourth request is external work with no
+        # provenance (its events are placeholders)
+        prov = None if n % 4 == 3 else DOCUMENT.provenance
+        ctx = ReqContext(f"r{n % 3}", provenance=prov)
         self.manager.on_new_request(ctx)
         self.requests.append(ctx)
         self.all_contexts.append(ctx)
@@ -171,7 +197,9 @@ class TieringMachine(RuleBasedStateMachine):
 
     @invariant()
     def replayed_events_reproduce_every_tier(self) -> None:
-        for event in self.manager.take_events():
+        raw = self.manager.take_events()
+        self._replay_public(self.translator.translate(list(raw)))
+        for event in raw:
             where = (event.tier.medium.name, event.tier.ownership)
             resident = self.replayed.setdefault(where, set())
             if isinstance(event, Stored):
@@ -189,6 +217,38 @@ class TieringMachine(RuleBasedStateMachine):
         for store in self.tiers:
             where = (store.identity.medium.name, store.identity.ownership)
             assert self.replayed.get(where, set()) == set(store.keys())
+        self._check_public(("CPU", None), readable)
+        for store in self.tiers:
+            self._check_public(
+                (store.identity.medium.name, store.identity.ownership), set(store.keys())
+            )
+
+    def _replay_public(self, events: list[object]) -> None:
+        for event in events:
+            if isinstance(event, BlockStored):
+                counts = self.counts.setdefault((event.medium, event.ownership), {})
+                for h in event.block_hashes:
+                    counts[h] = counts.get(h, 0) + 1
+                if not event.is_placeholder:
+                    assert event.token_ids, "a full store names its tokens"
+                    got = recompute(
+                        event.parent_block_hash,
+                        event.token_ids,  # type: ignore[arg-type]
+                        event.block_size,
+                        event.extra_keys,
+                        len(event.block_hashes),
+                    )
+                    assert got == event.block_hashes, "hashes do not recompute"
+            elif isinstance(event, BlockRemoved):
+                counts = self.counts.setdefault((event.medium, event.ownership), {})
+                for h in event.block_hashes:
+                    if counts.get(h, 0) > 0:  # removals of unknown hashes are ignored
+                        counts[h] -= 1
+
+    def _check_public(self, where: tuple[str, str | None], keys: set[OffloadKey]) -> None:
+        counts = self.counts.get(where, {})
+        published = {h for h, n in counts.items() if n > 0}
+        assert published == {k[:-4] for k in keys}, f"public replay differs on {where}"
 
     def teardown(self) -> None:
         self.manager.shutdown()
