@@ -55,3 +55,25 @@ def test_tiering_bench_runs_and_reports_both_columns() -> None:
         assert f"\n{op} " in out
     assert "excl. tier adapters" in out
     assert "mem0:" in out
+
+
+def test_events_bench_runs_and_reports_cost_and_memory() -> None:
+    out = subprocess.run(
+        [
+            sys.executable,
+            str(BENCH / "events.py"),
+            "--chunks",
+            "640",
+            "--resident",
+            "800",
+            "--repeats",
+            "1",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=120,
+    ).stdout
+    assert "translate + encode" in out
+    assert "warm caches" in out
+    assert "snapshot design" in out

@@ -82,3 +82,9 @@ def test_vllms_own_decoder_reads_kvhex_bytes(name: str) -> None:  # pragma: no c
         data_parallel_rank=rank,
     )
     assert msgspec.msgpack.encode(decoded) == msgspec.msgpack.encode(expected)
+
+
+def test_domain_and_wire_structs_declare_the_same_fields_in_the_same_order() -> None:
+    assert domain.BlockStored._fields == wire.BlockStored.__struct_fields__
+    assert domain.BlockRemoved._fields == wire.BlockRemoved.__struct_fields__
+    assert domain.EventBatch._fields == wire.EventBatch.__struct_fields__

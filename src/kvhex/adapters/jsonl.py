@@ -12,8 +12,6 @@ import os
 from pathlib import Path
 from typing import IO, Any
 
-import attrs
-
 from kvhex.domain.events import EventBatch, PublicEvent
 from kvhex.errors import ConfigError
 
@@ -30,7 +28,7 @@ def _plain(value: Any) -> Any:
 
 def event_to_json(event: PublicEvent) -> dict[str, Any]:
     """A JSON-ready dict of one public event."""
-    fields = {f.name: _plain(getattr(event, f.name)) for f in attrs.fields(type(event))}
+    fields = {name: _plain(value) for name, value in event._asdict().items()}
     return {"type": type(event).__name__, **fields}
 
 

@@ -88,33 +88,11 @@ _DECODER = msgspec.msgpack.Decoder(KVEventBatch)
 
 
 def to_wire(event: domain.PublicEvent) -> KVCacheEvent:
-    """The wire struct of one public event."""
+    """The wire struct of one public event (the domain's fields are in wire order)."""
     if isinstance(event, domain.BlockStored):
-        return BlockStored(
-            block_hashes=event.block_hashes,
-            parent_block_hash=event.parent_block_hash,
-            token_ids=event.token_ids,
-            block_size=event.block_size,
-            lora_id=event.lora_id,
-            medium=event.medium,
-            lora_name=event.lora_name,
-            extra_keys=event.extra_keys,
-            group_idx=event.group_idx,
-            kv_cache_spec_kind=event.kv_cache_spec_kind,
-            kv_cache_spec_sliding_window=event.kv_cache_spec_sliding_window,
-            locality=event.locality,
-            ownership=event.ownership,
-            session_id=event.session_id,
-            lookahead_token_ids=event.lookahead_token_ids,
-        )
+        return BlockStored(*event)
     if isinstance(event, domain.BlockRemoved):
-        return BlockRemoved(
-            block_hashes=event.block_hashes,
-            medium=event.medium,
-            group_idx=event.group_idx,
-            locality=event.locality,
-            ownership=event.ownership,
-        )
+        return BlockRemoved(*event)
     return AllBlocksCleared()
 
 

@@ -13,7 +13,7 @@ readable; a failed store appends nothing.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import attrs
 
@@ -69,11 +69,14 @@ ExternalHash = bytes | int
 """A block hash as published: raw bytes, or (vLLM's int switch) the low 64 bits as an int."""
 
 
-@attrs.frozen(slots=True)
-class BlockStored:
+class BlockStored(NamedTuple):
     """Blocks became readable on ``medium``. Full events describe every block: hashes at the
     group's block size, the parent hash, the tokens, LoRA and per-block extra keys; a
-    placeholder has ``token_ids=[]``, ``block_size=0`` and the chunk key's single hash."""
+    placeholder has ``token_ids=[]``, ``block_size=0`` and the chunk key's single hash.
+
+    A named tuple rather than an attrs class: one is built per stored chunk, and attrs'
+    frozen ``__init__`` measured 4.5 us for these 15 fields.
+    """
 
     block_hashes: list[ExternalHash]
     parent_block_hash: ExternalHash | None
@@ -97,8 +100,7 @@ class BlockStored:
         return self.block_size == 0
 
 
-@attrs.frozen(slots=True)
-class BlockRemoved:
+class BlockRemoved(NamedTuple):
     """Blocks stopped being readable on ``medium`` (one event per KV group)."""
 
     block_hashes: list[ExternalHash]
@@ -108,16 +110,14 @@ class BlockRemoved:
     ownership: str | None = None
 
 
-@attrs.frozen(slots=True)
-class AllBlocksCleared:
+class AllBlocksCleared(NamedTuple):
     """Every block of the publisher is gone (no medium: consumers drop everything)."""
 
 
 PublicEvent = BlockStored | BlockRemoved | AllBlocksCleared
 
 
-@attrs.frozen(slots=True)
-class EventBatch:
+class EventBatch(NamedTuple):
     """One step's public events, stamped by the publisher."""
 
     ts: float

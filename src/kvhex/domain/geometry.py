@@ -64,6 +64,17 @@ class KvGroup:
     blocks_per_chunk: int = attrs.field(default=1, validator=_positive)
     kind: CacheKind = CacheKind.FULL_ATTENTION
     sliding_window: int | None = None
+    # derived once: read per translated event, where enum property access shows up
+    full_payload: bool = attrs.field(init=False, eq=False, repr=False)
+    kind_name: str = attrs.field(init=False, eq=False, repr=False)
+
+    @full_payload.default
+    def _full_payload(self) -> bool:
+        return self.kind.keeps_every_block
+
+    @kind_name.default
+    def _kind_name(self) -> str:
+        return self.kind.value
 
     @property
     def tokens_per_chunk(self) -> int:
@@ -77,6 +88,11 @@ class KvGeometry:
 
     groups: tuple[KvGroup, ...]
     tokens_per_hash: int = attrs.field(validator=_positive)
+    _by_idx: dict[int, KvGroup] = attrs.field(init=False, eq=False, repr=False)
+
+    @_by_idx.default
+    def _index_groups(self) -> dict[int, KvGroup]:
+        return {g.group_idx: g for g in self.groups}
 
     def __attrs_post_init__(self) -> None:
         seen = set()
@@ -92,7 +108,4 @@ class KvGeometry:
 
     def group(self, group_idx: int) -> KvGroup | None:
         """The group with this index, or ``None``."""
-        for group in self.groups:
-            if group.group_idx == group_idx:
-                return group
-        return None
+        return self._by_idx.get(group_idx)

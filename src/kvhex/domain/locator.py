@@ -12,9 +12,10 @@ publishes a placeholder rather than a payload that could be wrong.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, NamedTuple
 
-from kvhex.domain.extra_keys import block_extra_keys
+from kvhex.domain.extra_keys import chunk_extra_keys
 from kvhex.domain.geometry import KvGroup
 from kvhex.domain.keys import GROUP_IDX_BYTES, OffloadKey
 from kvhex.domain.request import ReqContext
@@ -33,6 +34,10 @@ class Payload(NamedTuple):
     group: KvGroup
 
 
+def _as_list(values: Sequence[int]) -> list[int]:
+    return values if isinstance(values, list) else list(values)
+
+
 def locate(ctx: ReqContext | None, key: OffloadKey) -> Payload | None:
     """The payload of ``key`` as stored by the request ``ctx``, or ``None`` (placeholder)."""
     if ctx is None:
@@ -41,7 +46,7 @@ def locate(ctx: ReqContext | None, key: OffloadKey) -> Payload | None:
     if prov is None or prov.mutates_tokens:
         return None
     group = prov.geometry.group(int.from_bytes(key[-GROUP_IDX_BYTES:], "big"))
-    if group is None or not group.kind.keeps_every_block:
+    if group is None or not group.full_payload:
         return None
     end = ctx.position(key)
     tph = prov.geometry.tokens_per_hash
@@ -57,13 +62,15 @@ def locate(ctx: ReqContext | None, key: OffloadKey) -> Payload | None:
         start, step = end - end % tpc, tph
     per_block = step // tph
     first = start // tph
-    block_hashes = [hashes[i] for i in range(first + per_block - 1, end // tph, per_block)]
-    extra = [block_extra_keys(prov, s, s + step) for s in range(start, end, step)]
+    if per_block == 1:
+        block_hashes = list(hashes[first : end // tph])
+    else:
+        block_hashes = list(hashes[first + per_block - 1 : end // tph : per_block])
     return Payload(
         block_hashes=block_hashes,
         parent_block_hash=hashes[first - 1] if first else None,
-        token_ids=list(tokens[start:end]),
+        token_ids=_as_list(tokens[start:end]),
         block_size=step,
-        extra_keys=extra if any(e is not None for e in extra) else None,
+        extra_keys=chunk_extra_keys(prov, start, end, step),
         group=group,
     )

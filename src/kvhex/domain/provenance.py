@@ -65,9 +65,10 @@ class Provenance:
         """
         hashes = self.block_hashes
         index = self._hash_index
-        if self._indexed < len(hashes):
-            for i in range(self._indexed, len(hashes)):
-                index.setdefault(hashes[i], i)
-            self._indexed = len(hashes)
+        n = len(hashes)
+        if self._indexed < n:
+            # chained hashes do not repeat within a request; a repeat would map to its last
+            index.update(zip(hashes[self._indexed : n], range(self._indexed, n)))
+            self._indexed = n
         found = index.get(block_hash)
         return None if found is None else (found + 1) * self.geometry.tokens_per_hash

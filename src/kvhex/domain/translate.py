@@ -19,6 +19,7 @@ other tier's blocks.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import cast
 
 from kvhex.domain.events import (
     BlockRemoved,
@@ -54,7 +55,7 @@ class EventTranslator:
     def __init__(self, geometry: KvGeometry | None = None, *, int_hashes: bool = False) -> None:
         self.geometry = geometry
         self.int_hashes = int_hashes
-        self._hashes: dict[OffloadKey, tuple[bytes, ...]] = {}
+        self._hashes: dict[OffloadKey, list[bytes]] = {}
         self._resident: dict[Residency, dict[OffloadKey, None]] = {}
         self.full_stores = 0
         self.placeholder_stores = 0
@@ -97,38 +98,50 @@ class EventTranslator:
     def _stored(self, event: Stored, out: list[PublicEvent]) -> None:
         tier = event.tier
         medium = tier.medium.name
+        ownership = tier.ownership
         locality = tier.locality.value if tier.locality else None
-        resident = self._resident.setdefault((medium, tier.ownership), {})
-        ext = self._ext
+        resident = self._resident.setdefault((medium, ownership), {})
+        detached = self._hashes
+        ctx = event.ctx
+        prov = ctx.provenance if ctx is not None else None
+        if prov is not None:
+            lora_id, lora_name, session_id = prov.lora_id, prov.lora_name, prov.session_id
+        append = out.append
         for key in event.keys:
-            payload = locate(event.ctx, key)
+            payload = locate(ctx, key) if prov is not None else None
             if payload is not None:
-                group = payload.group
-                prov = event.ctx.provenance  # type: ignore[union-attr]
-                parent = payload.parent_block_hash
-                out.append(
+                hashes, parent, token_ids, block_size, extra_keys, group = payload
+                if self.int_hashes:
+                    ext = self._ext
+                    published: list[ExternalHash] = [ext(h) for h in hashes]
+                    parent_published = None if parent is None else ext(parent)
+                else:
+                    published = cast("list[ExternalHash]", hashes)
+                    parent_published = parent
+                # positional: one event per stored chunk, this is the hot loop
+                append(
                     BlockStored(
-                        block_hashes=[ext(h) for h in payload.block_hashes],
-                        parent_block_hash=None if parent is None else ext(parent),
-                        token_ids=payload.token_ids,
-                        block_size=payload.block_size,
-                        lora_id=prov.lora_id if prov else None,
-                        medium=medium,
-                        lora_name=prov.lora_name if prov else None,
-                        extra_keys=payload.extra_keys,
-                        group_idx=group.group_idx,
-                        kv_cache_spec_kind=group.kind.value,
-                        kv_cache_spec_sliding_window=group.sliding_window,
-                        locality=locality,
-                        ownership=tier.ownership,
-                        session_id=prov.session_id if prov else None,
+                        published,
+                        parent_published,
+                        token_ids,
+                        block_size,
+                        lora_id,
+                        medium,
+                        lora_name,
+                        extra_keys,
+                        group.group_idx,
+                        group.kind_name,
+                        group.sliding_window,
+                        locality,
+                        ownership,
+                        session_id,
                     )
                 )
-                self._hashes[key] = tuple(payload.block_hashes)
+                detached[key] = hashes  # shared with the event: events are read-only
                 self.full_stores += 1
             else:
-                out.append(self._placeholder(key, medium, locality, tier.ownership, event))
-                self._hashes.setdefault(key, (key[:-GROUP_IDX_BYTES],))
+                append(self._placeholder(key, medium, locality, ownership, event))
+                detached.setdefault(key, [key[:-GROUP_IDX_BYTES]])
                 self.placeholder_stores += 1
             resident[key] = None
 
@@ -155,7 +168,7 @@ class EventTranslator:
             medium=medium,
             lora_name=None,
             group_idx=group_idx,
-            kv_cache_spec_kind=group.kind.value if group else None,
+            kv_cache_spec_kind=group.kind_name if group else None,
             kv_cache_spec_sliding_window=group.sliding_window if group else None,
             locality=locality,
             ownership=ownership,
@@ -173,7 +186,7 @@ class EventTranslator:
         by_group: dict[int, list[ExternalHash]] = {}
         ext = self._ext
         for key in keys:
-            detached = self._hashes.get(key, (key[:-GROUP_IDX_BYTES],))
+            detached = self._hashes.get(key) or [key[:-GROUP_IDX_BYTES]]
             group = by_group.setdefault(int.from_bytes(key[-GROUP_IDX_BYTES:], "big"), [])
             group.extend(ext(h) for h in detached)
             resident.pop(key, None)
