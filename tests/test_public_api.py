@@ -22,6 +22,17 @@ PUBLIC = [
     "kvhex.plugins",
     "kvhex.bootstrap",
     "kvhex.testing",
+    "kvhex.ports",
+    "kvhex.service",
+    "kvhex.domain.translate",
+    "kvhex.domain.locator",
+    "kvhex.domain.geometry",
+    "kvhex.domain.provenance",
+    "kvhex.adapters.memory",
+    "kvhex.adapters.wire",
+    "kvhex.adapters.jsonl",
+    "kvhex.adapters.log",
+    "kvhex.adapters.zmq",
 ]
 
 

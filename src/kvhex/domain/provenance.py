@@ -68,7 +68,7 @@ class Provenance:
         n = len(hashes)
         if self._indexed < n:
             # chained hashes do not repeat within a request; a repeat would map to its last
-            index.update(zip(hashes[self._indexed : n], range(self._indexed, n)))
+            index.update(zip(hashes[self._indexed : n], range(self._indexed, n), strict=True))
             self._indexed = n
         found = index.get(block_hash)
         return None if found is None else (found + 1) * self.geometry.tokens_per_hash
