@@ -148,6 +148,22 @@ class _LocalIo:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(path)
 
+    def write_many(self, items: list[tuple[str, list[bytes | memoryview]]]) -> list[str | None]:
+        errors: list[str | None] = []
+        for path, parts in items:
+            try:
+                self.write_atomic(path, parts)
+                errors.append(None)
+            except OSError as exc:
+                errors.append(f"{type(exc).__name__}: {exc.strerror or exc}")
+        return errors
+
+    def read_many(self, items: list[tuple[str, int, memoryview]]) -> list[bytes | None]:
+        return [self.read_into(path, size, view) for path, size, view in items]
+
+    def exists_many(self, paths: list[str]) -> set[str]:
+        return {p for p in paths if os.path.exists(p)}
+
     def walk(self) -> Iterator[tuple[str, int, float]]:
         for dirpath, dirnames, filenames in os.walk(self.root):
             if dirpath == self.tmp:
@@ -162,14 +178,18 @@ class _LocalIo:
 
 
 class _FsspecIo:
-    """IO through any fsspec filesystem (object stores: one PUT per block)."""
+    """IO through any fsspec filesystem. Object stores get one concurrent batch of requests
+    per job (``pipe``/``cat`` of many paths) and existence probes by listing where a listing
+    is cheaper than one request per key."""
 
     def __init__(self, fs: Any, root: str) -> None:
         self.fs = fs
         self.root = root
 
     def prepare(self) -> None:
-        self.fs.makedirs(self.root, exist_ok=True)
+        bucket = self.root.split("/", 1)[0]
+        if not self.fs.exists(bucket):
+            raise FileNotFoundError(f"bucket or root {bucket!r} does not exist")
 
     def write_config(self, name: str, data: bytes) -> bytes | None:
         path = f"{self.root}/{name}"
@@ -178,28 +198,66 @@ class _FsspecIo:
         self.fs.pipe_file(path, data)
         return None
 
-    def write_atomic(self, path: str, parts: Sequence[bytes | memoryview]) -> None:
-        self.fs.pipe_file(path, b"".join(bytes(p) for p in parts))
-
-    def read_into(self, path: str, header_size: int, view: memoryview) -> bytes | None:
+    def write_many(self, items: list[tuple[str, list[bytes | memoryview]]]) -> list[str | None]:
+        if not items:
+            return []
+        payload = {path: b"".join(bytes(p) for p in parts) for path, parts in items}
         try:
-            data = self.fs.cat_file(path)
-        except FileNotFoundError:
-            return None
-        if len(data) != header_size + len(view):
-            return b""
-        view[:] = data[header_size:]
-        return bytes(data[:header_size])
+            self.fs.pipe(payload)
+        except Exception as exc:
+            # the batch is all or nothing from here: find out what actually landed
+            error = f"{type(exc).__name__}: {_safe(exc)}"
+            try:
+                landed = self.exists_many(list(payload))
+            except Exception:
+                landed = set()
+            return [None if path in landed else error for path, _ in items]
+        return [None] * len(items)
 
-    def exists(self, path: str) -> bool:
-        return bool(self.fs.exists(path))
+    def read_many(self, items: list[tuple[str, int, memoryview]]) -> list[bytes | None]:
+        if not items:
+            return []
+        got = self.fs.cat([path for path, _, _ in items], on_error="return")
+        out: list[bytes | None] = []
+        for path, header_size, view in items:
+            data = got.get(path)
+            if data is None or isinstance(data, FileNotFoundError):
+                out.append(None)
+            elif isinstance(data, BaseException):
+                raise data
+            elif len(data) != header_size + len(view):
+                out.append(b"")
+            else:
+                view[:] = data[header_size:]
+                out.append(bytes(data[:header_size]))
+        return out
+
+    def exists_many(self, paths: list[str]) -> set[str]:
+        by_prefix: dict[str, list[str]] = {}
+        for path in paths:
+            by_prefix.setdefault(path.rsplit("/", 2)[0], []).append(path)
+        found: set[str] = set()
+        for prefix, wanted in by_prefix.items():
+            if len(wanted) > 1:  # one LIST answers every key under this shard
+                try:
+                    listed = set(self.fs.find(prefix))
+                except FileNotFoundError:
+                    listed = set()
+                found.update(p for p in wanted if p in listed)
+            else:
+                found.update(p for p in wanted if self.fs.exists(p))
+        return found
 
     def remove(self, path: str) -> None:
         with contextlib.suppress(FileNotFoundError):
             self.fs.rm_file(path)
 
     def walk(self) -> Iterator[tuple[str, int, float]]:
-        for path, info in self.fs.find(self.root, detail=True).items():
+        try:
+            listing = self.fs.find(self.root, detail=True)
+        except FileNotFoundError:
+            return
+        for path, info in listing.items():
             mtime = info.get("mtime") or info.get("LastModified") or 0.0
             if hasattr(mtime, "timestamp"):
                 mtime = mtime.timestamp()
@@ -543,32 +601,30 @@ class FsspecTierStore:
         # deletions of these keys were submitted earlier, so they already hold a thread
         cf.wait(before)
         self._remove_all(victims)
-        written: list[OffloadKey] = []
-        error = None
+        writes: list[tuple[str, list[bytes | memoryview]]] = []
         for key, slot in items:
             view = self._host.slot_view(slot)
             header = HEADER.pack(MAGIC, len(view), zlib.crc32(view), len(key)) + key
-            try:
-                self._io.write_atomic(self._path(key), [header, view])
-            except Exception as exc:
-                error = f"{type(exc).__name__}: {_safe(exc)}"
-                continue
-            written.append(key)
+            writes.append((self._path(key), [header, view]))
+        errors = self._io.write_many(writes)
+        written = [key for (key, _), err in zip(items, errors, strict=True) if err is None]
+        error = next((err for err in errors if err is not None), None)
         return written, error
 
     def _do_get(
         self, items: list[tuple[OffloadKey, int]]
     ) -> tuple[list[OffloadKey], list[OffloadKey]]:
+        reads = [
+            (self._path(key), HEADER.size + len(key), self._host.slot_view(slot))
+            for key, slot in items
+        ]
+        headers = self._io.read_many(reads)
         ok: list[OffloadKey] = []
         corrupt: list[OffloadKey] = []
-        for key, slot in items:
-            view = self._host.slot_view(slot)
-            path = self._path(key)
-            header_size = HEADER.size + len(key)
-            header = self._io.read_into(path, header_size, view)
+        for (key, _), (path, size, view), header in zip(items, reads, headers, strict=True):
             if header is None:
-                continue
-            if len(header) != header_size or not self._valid(header, key, view):
+                continue  # missing
+            if len(header) != size or not self._valid(header, key, view):
                 corrupt.append(key)
                 self._io.remove(path)
                 continue
@@ -589,7 +645,8 @@ class FsspecTierStore:
     def _do_probe(
         self, known: frozenset[OffloadKey], unknown: list[OffloadKey]
     ) -> frozenset[OffloadKey]:
-        return known | frozenset(k for k in unknown if self._io.exists(self._path(k)))
+        paths = {self._path(k): k for k in unknown}
+        return known | frozenset(paths[p] for p in self._io.exists_many(list(paths)))
 
     def _remove_all(self, paths: list[str]) -> None:
         for path in paths:
