@@ -79,7 +79,6 @@ def _key_from_name(name: str) -> OffloadKey | None:
 
 class _Found(NamedTuple):
     key: OffloadKey
-    size: int
     mtime: float
 
 
@@ -298,6 +297,7 @@ class FsspecTierStore:
     ) -> None:
         import fsspec
 
+        self._name = name
         if capacity_bytes <= 0:
             raise ValueError(f"capacity_bytes must be > 0, got {capacity_bytes}")
         self._host = host
@@ -310,9 +310,7 @@ class FsspecTierStore:
         try:
             fs, root = fsspec.core.url_to_fs(url, **dict(storage_options or {}))
             base = root.rstrip("/") + "/" + digest
-            self._io: _LocalIo | _FsspecIo = (
-                _LocalIo(base) if "file" in _protocols(fs) else _FsspecIo(fs, base)
-            )
+            self._io: Any = self._make_io(fs, base)
             self._io.prepare()
             config = json.dumps({**ns, "layout_version": LAYOUT_VERSION}, sort_keys=True)
             recorded = self._io.write_config("config.json", config.encode())
@@ -339,10 +337,14 @@ class FsspecTierStore:
         self.io_errors = 0
         self._recover()
 
+    def _make_io(self, fs: Any, base: str) -> Any:
+        """The IO strategy for this filesystem (subclasses move the data path elsewhere)."""
+        return _LocalIo(base) if "file" in _protocols(fs) else _FsspecIo(fs, base)
+
     # -- start-up ------------------------------------------------------------------------
     def _recover(self) -> None:
         found: list[_Found] = []
-        for path, size, mtime in self._io.walk():
+        for path, _size, mtime in self._io.walk():
             name = path.rsplit("/", 1)[-1]
             if name == "config.json":
                 continue
@@ -350,11 +352,12 @@ class FsspecTierStore:
             if key is None or path != self._path(key):
                 self.foreign_files += 1
                 continue
-            found.append(_Found(key, size, mtime))
+            found.append(_Found(key, mtime))
         found.sort(key=lambda f: f.mtime)
         for f in found:
-            self._index[f.key] = f.size
-            self._used += f.size
+            size = self._size(f.key)  # what a write of it costs here, whatever the listing says
+            self._index[f.key] = size
+            self._used += size
         evicted = self._evict_to(self.capacity_bytes, protected=set())
         for key in evicted:
             self._io.remove(self._path(key))
@@ -478,6 +481,9 @@ class FsspecTierStore:
             return
         self._closed = True
         self._pool.shutdown(wait=True, cancel_futures=True)
+        close_io = getattr(self._io, "close", None)
+        if close_io is not None:
+            close_io()
 
     def take_events(self) -> list[TierEvent]:
         """Events since the last call."""

@@ -1,0 +1,234 @@
+"""Tier throughput: GB/s through kvhex's storage tiers beside raw IO of the same bytes.
+
+For each chunk size (2 MiB and 256 KiB) and each tier, ``--total`` bytes (2 GiB by default)
+go host -> tier (put) and tier -> host (get) through the tier's own jobs, in batches of
+``--batch`` chunks per job, with a baseline measured in the same run:
+
+* local files (fsspec tier) vs raw ``os.pwrite`` / ``os.preadv`` of the same bytes into one
+  preallocated file;
+* S3 (fsspec tier over s3fs) vs raw s3fs batched ``pipe`` / ``cat`` of the same bytes, both
+  against the same loopback S3 server (moto; its speed, not S3's, bounds both).
+
+    python bench/tiers.py [--total-mib 2048] [--tiers files,s3] [--dir PATH]
+
+A plain script, never a timed test. Page cache is warm after the first pass; each figure is
+the median of ``--repeats`` passes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import logging
+import os
+import shutil
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from typing import Any
+
+from kvhex.adapters.fsspec import FsspecTierStore
+from kvhex.adapters.memory import MemoryHostBuffer
+from kvhex.domain import JobId, JobKind, TierJob, make_offload_key
+
+MiB = 1 << 20
+
+
+def wait_all(store: FsspecTierStore, n_jobs: int) -> None:
+    done = 0
+    while done < n_jobs:
+        results = store.poll()
+        for result in results:
+            assert result.success, result.error
+        done += len(results)
+        if not results:
+            time.sleep(0.0005)
+
+
+class TierRun:
+    """Puts then gets every chunk through one tier, ``batch`` chunks per job."""
+
+    def __init__(
+        self, store: FsspecTierStore, host: MemoryHostBuffer, n_chunks: int, batch: int
+    ) -> None:
+        self.store, self.host, self.n, self.batch = store, host, n_chunks, batch
+        self.next_id = 0
+        self.round = 0
+
+    def _jobs(self, kind: JobKind) -> int:
+        slots = self.host.num_slots
+        n_jobs = 0
+        for start in range(0, self.n, self.batch):
+            ids = range(start, min(start + self.batch, self.n))
+            keys = tuple(
+                make_offload_key(hashlib.sha256(f"{self.round}:{i}".encode()).digest(), 0)
+                for i in ids
+            )
+            job = TierJob(JobId(self.next_id), kind, keys, tuple(i % slots for i in ids))
+            self.next_id += 1
+            (self.store.submit_put if kind is JobKind.PUT else self.store.submit_get)(job)
+            n_jobs += 1
+        return n_jobs
+
+    def put(self) -> None:
+        self.round += 1
+        wait_all(self.store, self._jobs(JobKind.PUT))
+        self.store.take_events()
+
+    def get(self) -> None:
+        wait_all(self.store, self._jobs(JobKind.GET))
+
+
+def timed(
+    fn: Callable[[], None], nbytes: int, repeats: int, before: Callable[[], None] | None = None
+) -> float:
+    rates = []
+    for _ in range(repeats):
+        if before:
+            before()
+        t0 = time.perf_counter()
+        fn()
+        rates.append(nbytes / (time.perf_counter() - t0) / 1e9)
+    return statistics.median(rates)
+
+
+def local_files(
+    directory: str, chunk: int, total: int, batch: int, repeats: int
+) -> dict[str, float]:
+    n = total // chunk
+    host = MemoryHostBuffer(min(n, 256), chunk)
+    for s in range(host.num_slots):
+        host.slot_view(s)[:] = os.urandom(16) * (chunk // 16)
+    out: dict[str, float] = {}
+    # baseline: one preallocated file, positional IO of the same bytes
+    path = os.path.join(directory, "raw.bin")
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    os.posix_fallocate(fd, 0, total)
+
+    def raw_put() -> None:
+        for i in range(n):
+            os.pwrite(fd, host.slot_view(i % host.num_slots), i * chunk)
+
+    def raw_get() -> None:
+        for i in range(n):
+            os.preadv(fd, [host.slot_view(i % host.num_slots)], i * chunk)
+
+    out["raw put"] = timed(raw_put, total, repeats)
+    out["raw get"] = timed(raw_get, total, repeats)
+    os.close(fd)
+    os.unlink(path)
+    root = os.path.join(directory, "tier")
+    store = FsspecTierStore(host, root, capacity_bytes=4 * total, name="files", io_threads=4)
+    run = TierRun(store, host, n, batch)
+    out["tier put"] = timed(run.put, total, repeats)
+    out["tier get"] = timed(run.get, total, repeats)
+    store.close()
+    shutil.rmtree(root)
+    return out
+
+
+def s3(chunk: int, total: int, batch: int, repeats: int) -> dict[str, float]:
+    import s3fs
+    from moto.server import ThreadedMotoServer
+
+    os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)  # one line per request otherwise
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host_name, port = server.get_host_and_port()
+    opts: dict[str, Any] = {
+        "key": "k",
+        "secret": "s",
+        "endpoint_url": f"http://{host_name}:{port}",
+        "use_listings_cache": False,
+        "skip_instance_cache": True,
+    }
+    fs = s3fs.S3FileSystem(**opts)
+    bucket = f"bench-{os.getpid()}-{chunk}"  # moto's servers share one in-process store
+    fs.mkdir(bucket)
+    n = total // chunk
+    host = MemoryHostBuffer(min(n, 256), chunk)
+    for s in range(host.num_slots):
+        host.slot_view(s)[:] = os.urandom(16) * (chunk // 16)
+    out: dict[str, float] = {}
+    rounds = iter(range(1 << 30))
+
+    def raw_put() -> None:
+        r = next(rounds)
+        for start in range(0, n, batch):
+            fs.pipe(
+                {
+                    f"{bucket}/raw/{r}/{i}": bytes(host.slot_view(i % host.num_slots))
+                    for i in range(start, min(start + batch, n))
+                }
+            )
+
+    def raw_get() -> None:
+        for start in range(0, n, batch):
+            got = fs.cat([f"{bucket}/raw/0/{i}" for i in range(start, min(start + batch, n))])
+            for i, (_, data) in zip(range(start, start + batch), sorted(got.items()), strict=False):
+                host.slot_view(i % host.num_slots)[:] = data
+
+    out["raw put"] = timed(raw_put, total, repeats)
+    out["raw get"] = timed(raw_get, total, repeats)
+    fs.rm(f"{bucket}/raw", recursive=True)
+    store = FsspecTierStore(
+        host,
+        f"s3://{bucket}/kv",
+        capacity_bytes=4 * total,
+        name="s3",
+        io_threads=4,
+        storage_options=opts,
+    )
+    run = TierRun(store, host, n, batch)
+    out["tier put"] = timed(run.put, total, repeats)
+    out["tier get"] = timed(run.get, total, repeats)
+    store.close()
+    server.stop()
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--total-mib", type=int, default=2048)
+    parser.add_argument(
+        "--s3-total-mib",
+        type=int,
+        default=512,
+        help="bytes through the S3 tier (moto keeps them all in memory)",
+    )
+    parser.add_argument("--tiers", default="files,s3")
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument(
+        "--dir", default=None, help="where the file tier writes (default: a temp dir)"
+    )
+    args = parser.parse_args()
+    tiers = args.tiers.split(",")
+    head = f"{'tier':<8}{'chunk':>8}{'put GB/s':>10}{'raw':>8}{'ratio':>7}"
+    print(head + f"{'get GB/s':>10}{'raw':>8}{'ratio':>7}")
+    for chunk in (2 * MiB, 256 * 1024):
+        label = f"{chunk // 1024} KiB"
+        if "files" in tiers:
+            directory = tempfile.mkdtemp(prefix="kvhex-bench-", dir=args.dir)
+            try:
+                r = local_files(directory, chunk, args.total_mib * MiB, args.batch, args.repeats)
+            finally:
+                shutil.rmtree(directory, ignore_errors=True)
+            print(_row("files", label, r))
+        if "s3" in tiers:
+            r = s3(chunk, args.s3_total_mib * MiB, args.batch, args.repeats)
+            print(_row("s3", label, r))
+
+
+def _row(name: str, label: str, r: dict[str, float]) -> str:
+    return (
+        f"{name:<8}{label:>8}{r['tier put']:>10.2f}{r['raw put']:>8.2f}"
+        f"{r['tier put'] / r['raw put']:>7.2f}{r['tier get']:>10.2f}{r['raw get']:>8.2f}"
+        f"{r['tier get'] / r['raw get']:>7.2f}"
+    )
+
+
+if __name__ == "__main__":
+    main()
