@@ -4,8 +4,8 @@ For each chunk size (2 MiB and 256 KiB) and each tier, ``--total`` bytes (2 GiB 
 go host -> tier (put) and tier -> host (get) through the tier's own jobs, in batches of
 ``--batch`` chunks per job, with a baseline measured in the same run:
 
-* local files (fsspec tier) vs raw ``os.pwrite`` / ``os.preadv`` of the same bytes into one
-  preallocated file;
+* local files (fsspec tier) and NIXL's POSIX backend (NIXL tier) vs raw ``os.pwrite`` /
+  ``os.preadv`` of the same bytes into one preallocated file;
 * S3 (fsspec tier over s3fs) vs raw s3fs batched ``pipe`` / ``cat`` of the same bytes, both
   against the same loopback S3 server (moto; its speed, not S3's, bounds both).
 
@@ -94,7 +94,7 @@ def timed(
 
 
 def local_files(
-    directory: str, chunk: int, total: int, batch: int, repeats: int
+    directory: str, chunk: int, total: int, batch: int, repeats: int, nixl: bool = False
 ) -> dict[str, float]:
     n = total // chunk
     host = MemoryHostBuffer(min(n, 256), chunk)
@@ -119,7 +119,16 @@ def local_files(
     os.close(fd)
     os.unlink(path)
     root = os.path.join(directory, "tier")
-    store = FsspecTierStore(host, root, capacity_bytes=4 * total, name="files", io_threads=4)
+    if nixl:
+        from kvhex.adapters.nixl import NixlTierStore
+
+        store: FsspecTierStore = NixlTierStore(
+            host, root, capacity_bytes=total + total // 8, io_threads=4
+        )
+    else:
+        store = FsspecTierStore(
+            host, root, capacity_bytes=total + total // 8, name="files", io_threads=4
+        )
     run = TierRun(store, host, n, batch)
     out["tier put"] = timed(run.put, total, repeats)
     out["tier get"] = timed(run.get, total, repeats)
@@ -198,7 +207,7 @@ def main() -> None:
         default=512,
         help="bytes through the S3 tier (moto keeps them all in memory)",
     )
-    parser.add_argument("--tiers", default="files,s3")
+    parser.add_argument("--tiers", default="files,nixl,s3")
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument(
@@ -217,6 +226,15 @@ def main() -> None:
             finally:
                 shutil.rmtree(directory, ignore_errors=True)
             print(_row("files", label, r))
+        if "nixl" in tiers:
+            directory = tempfile.mkdtemp(prefix="kvhex-bench-", dir=args.dir)
+            try:
+                r = local_files(
+                    directory, chunk, args.total_mib * MiB, args.batch, args.repeats, nixl=True
+                )
+            finally:
+                shutil.rmtree(directory, ignore_errors=True)
+            print(_row("nixl", label, r))
         if "s3" in tiers:
             r = s3(chunk, args.s3_total_mib * MiB, args.batch, args.repeats)
             print(_row("s3", label, r))

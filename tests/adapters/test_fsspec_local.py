@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from kvhex.adapters.fsspec import HEADER, FsspecTierStore, namespace_digest
+from kvhex.adapters.fsspec import HEADER_AREA, FsspecTierStore, namespace_digest
 from kvhex.adapters.memory import MemoryHostBuffer
 from kvhex.domain import JobId, JobKind, JobResult, Removed, Stored, TierJob, make_offload_key
 from kvhex.errors import TierUnavailable
@@ -79,7 +79,8 @@ def test_layout_namespace_permissions_and_config(tmp_path: Path, host: MemoryHos
     assert run(store, JobKind.PUT, [7]).success
     digest = namespace_digest({**NS, "slot_bytes": SLOT})
     path = Path(store.path_of(key(7)))
-    assert path.parent.parent.parent == tmp_path / digest
+    assert path.parent.parent == tmp_path / digest
+    assert path.parent.name == key(7).hex()[:2]
     assert path.name == key(7).hex() + ".blk"
     assert stat.S_IMODE(path.stat().st_mode) == 0o600
     assert stat.S_IMODE(path.parent.stat().st_mode) == 0o700
@@ -118,7 +119,7 @@ def test_corrupt_and_truncated_blocks_are_never_served(
 def test_capacity_evicts_least_recent_and_announces_first(
     tmp_path: Path, host: MemoryHostBuffer
 ) -> None:
-    block = HEADER.size + 36 + SLOT
+    block = HEADER_AREA + SLOT
     store = FsspecTierStore(host, str(tmp_path), capacity_bytes=3 * block, namespace=NS)
     fill(host, range(3), 0)
     assert run(store, JobKind.PUT, [1, 2, 3]).success
@@ -138,7 +139,9 @@ def test_restart_sees_blocks_and_announces_them_once(
     fill(host, range(3), 9)
     assert run(first, JobKind.PUT, [1, 2, 3]).success
     first.close()
-    (tmp_path / namespace_digest({**NS, "slot_bytes": SLOT}) / "ab").mkdir(mode=0o700)
+    (tmp_path / namespace_digest({**NS, "slot_bytes": SLOT}) / "ab").mkdir(
+        mode=0o700, exist_ok=True
+    )
     (tmp_path / namespace_digest({**NS, "slot_bytes": SLOT}) / "ab" / "notes.txt").write_text("x")
     second = FsspecTierStore(host, str(tmp_path), capacity_bytes=1 << 20, namespace=NS)
     (inventory,) = second.take_events()
@@ -155,12 +158,35 @@ def test_restart_sees_blocks_and_announces_them_once(
 def test_a_crash_mid_write_leaves_nothing_readable(tmp_path: Path, host: MemoryHostBuffer) -> None:
     store = FsspecTierStore(host, str(tmp_path), capacity_bytes=1 << 20, namespace=NS)
     store.close()
-    tmp_dir = Path(store.root) / "tmp"
-    (tmp_dir / "half-written").write_bytes(b"KVHXBLK1" + b"\0" * 10)
+    dead = Path(store.root) / "work" / "deadbeef"  # a crashed instance's work directory
+    dead.mkdir(parents=True)
+    (dead / ".lock").write_bytes(b"")
+    (dead / "half-written").write_bytes(b"KVHXBLK1" + b"\0" * 10)
     again = FsspecTierStore(host, str(tmp_path), capacity_bytes=1 << 20, namespace=NS)
-    assert list(tmp_dir.iterdir()) == []
+    assert not dead.exists()
     assert again.take_events() == []
     again.close()
+
+
+def test_live_instances_keep_their_work_and_reuse_retired_files(
+    tmp_path: Path, host: MemoryHostBuffer
+) -> None:
+    block = HEADER_AREA + SLOT
+    a = FsspecTierStore(host, str(tmp_path), capacity_bytes=2 * block, namespace=NS, name="a")
+    b = FsspecTierStore(host, str(tmp_path), capacity_bytes=1 << 20, namespace=NS, name="b")
+    work = Path(a.root) / "work"
+    assert len(list(work.iterdir())) == 2  # b did not remove a's work directory
+    fill(host, range(2), 1)
+    assert run(a, JobKind.PUT, [1, 2]).success
+    inode = Path(a.path_of(key(1))).stat().st_ino
+    fill(host, range(1), 9)
+    assert run(a, JobKind.PUT, [3], [0]).success  # evicts 1: its file is reused for 3
+    assert not Path(a.path_of(key(1))).exists()
+    assert Path(a.path_of(key(3))).stat().st_ino == inode
+    assert run(a, JobKind.GET, [3], [5]).success
+    assert bytes(host.slot_view(5)) == bytes([9]) * SLOT
+    a.close()
+    b.close()
 
 
 def test_two_processes_sharing_a_root_see_each_others_blocks(
@@ -189,19 +215,20 @@ def test_a_full_disk_fails_the_put_and_announces_nothing(
     tmp_path: Path, host: MemoryHostBuffer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     store = FsspecTierStore(host, str(tmp_path), capacity_bytes=1 << 20, namespace=NS)
-    real_write = os.write
+    real_write = os.pwrite
 
-    def full(fd: int, data: object) -> int:
+    def full(fd: int, data: object, offset: int) -> int:
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(os, "write", full)
+    monkeypatch.setattr(os, "pwrite", full)
     fill(host, range(1), 5)
     result = run(store, JobKind.PUT, [1])
-    monkeypatch.setattr(os, "write", real_write)
+    monkeypatch.setattr(os, "pwrite", real_write)
     assert not result.success
     assert "No space left" in (result.error or "")
     assert store.take_events() == []
     assert store.keys() == []
-    assert list((Path(store.root) / "tmp").iterdir()) == []
+    (work,) = (Path(store.root) / "work").iterdir()
+    assert [p.name for p in work.iterdir()] == [".lock"]  # no half-written file left
     assert store.used_bytes == 0
     store.close()

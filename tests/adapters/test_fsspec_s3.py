@@ -111,7 +111,7 @@ def test_corrupt_objects_are_deleted_and_their_removal_announced(
     store.take_events()
     fs = s3fs.S3FileSystem(**s3_options(s3_server))
     data = bytearray(fs.cat_file(store.path_of(key(1))))
-    data[100] ^= 0x55
+    data[-100] ^= 0x55  # a payload byte
     fs.pipe_file(store.path_of(key(1)), bytes(data))
     result = run(store, JobKind.GET, [1, 2], [2, 3])
     assert not result.success
@@ -164,3 +164,17 @@ def test_the_server_going_away_gives_failed_jobs_not_a_crash(private_s3_server: 
     assert store.keys() == [key(1)]
     assert CREDENTIALS["secret"] not in (put.error or "")
     store.close()
+
+
+def test_wrong_credentials_fail_at_start_up_without_leaking_them(
+    s3_server: str, bucket: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from moto import settings
+
+    monkeypatch.setattr(settings, "INITIAL_NO_AUTH_ACTION_COUNT", 0)  # the server checks keys now
+    host = MemoryHostBuffer(2, SLOT)
+    wrong = s3_options(s3_server, key="AKIAWRONGWRONGWRONG", secret="wrong-secret-value")
+    with pytest.raises(TierUnavailable) as info:
+        tier(host, s3_server, bucket, storage_options=wrong)
+    assert "wrong-secret-value" not in str(info.value)
+    assert info.value.tier == "s3"

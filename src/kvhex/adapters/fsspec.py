@@ -4,13 +4,14 @@ Layout under the configured root::
 
     ROOT/<namespace digest>/config.json          what makes blocks compatible (model, chunk
                                                  geometry, dtype, layout version), recorded
-    ROOT/<namespace digest>/<k0k1>/<k2k3>/<key hex>.blk
+    ROOT/<namespace digest>/<k0k1>/<key hex>.blk    256 shard directories, made at start-up
     ROOT/<namespace digest>/tmp/                 in-flight writes (local filesystems)
 
 Paths are built only from the hex of the offload key under the configured root, so no input
 can name a path outside it. Local files are created ``0600`` and directories ``0700``.
 
-A block file is a header (magic, payload length, CRC-32 of the payload, the key) and the host
+A block file is a 4 KiB header area (magic, payload length, XXH3-64 of the payload, the key,
+zero padding) and the host
 slot's bytes. Every read verifies all of it; a mismatch or a truncated file is a failed load,
 the file is deleted and, if this tier had announced it, its removal is announced. Local writes
 go to ``tmp/`` and are renamed into place, so a crash mid-write never leaves a torn block
@@ -30,18 +31,21 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import contextlib
+import fcntl
 import hashlib
 import json
 import os
+import shutil
 import struct
+import threading
 import time
 import uuid
-import zlib
 from collections import OrderedDict
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import structlog
+import xxhash
 
 from kvhex.domain.events import Removed, Stored, TierEvent
 from kvhex.domain.jobs import JobKind, JobResult, TierJob
@@ -50,13 +54,17 @@ from kvhex.domain.tiers import Locality, Medium, TierIdentity
 from kvhex.errors import TierUnavailable
 from kvhex.ports.host_buffer import HostBuffer
 
-__all__ = ["LAYOUT_VERSION", "FsspecTierStore", "namespace_digest"]
+__all__ = ["HEADER_AREA", "LAYOUT_VERSION", "FsspecTierStore", "namespace_digest"]
 
 log = structlog.get_logger(__name__)
 
 LAYOUT_VERSION = 1
 MAGIC = b"KVHXBLK1"
-HEADER = struct.Struct(">8sQIH")  # magic, payload length, crc32, key length
+HEADER = struct.Struct(">8sQQH")  # magic, payload length, xxh3-64 of the payload, key length
+HEADER_AREA = 4096
+"""Bytes before the payload (header, key, zero padding): a page-aligned payload is written
+4x faster through the page cache than one at an odd offset (docs/tiers.md), and suits
+NIXL and direct IO."""
 SUFFIX = ".blk"
 
 
@@ -83,17 +91,74 @@ class _Found(NamedTuple):
 
 
 class _LocalIo:
-    """Positional-free, one-file-per-block IO with ``os`` calls (the local fast path)."""
+    """One file per block with ``os`` calls (the local fast path).
+
+    Every instance writes inside a work directory of its own (``work/<id>/``, held with an
+    exclusive ``flock`` while it lives): a block is written there, then renamed into place.
+    Evicted and deleted block files are not unlinked but renamed back into that directory and
+    reused for the next writes: overwriting an allocated file runs at page-cache speed, where
+    filling a new file pays for fresh allocation (measured 6.5 GB/s against 0.4 GB/s for 2 MiB
+    blocks; docs/tiers.md). Work directories of instances that died (their lock is free) are
+    removed at start-up, with whatever a crash left half-written in them.
+    """
+
+    POOL_MAX = 256
 
     def __init__(self, root: str) -> None:
         self.root = root
-        self.tmp = os.path.join(root, "tmp")
+        self.work_root = os.path.join(root, "work")
+        self.tmp = os.path.join(self.work_root, uuid.uuid4().hex)
         self._dirs: set[str] = set()
+        self._pool: list[str] = []
+        self._pool_lock = threading.Lock()
+        self._lock_fd: int | None = None
 
     def prepare(self) -> None:
         os.makedirs(self.tmp, mode=0o700, exist_ok=True)
-        for leftover in os.listdir(self.tmp):  # writes a crash interrupted
-            os.unlink(os.path.join(self.tmp, leftover))
+        self._lock_fd = os.open(os.path.join(self.tmp, ".lock"), os.O_RDWR | os.O_CREAT, 0o600)
+        fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        for shard in range(256):  # once, so writes never pay for a mkdir
+            directory = os.path.join(self.root, f"{shard:02x}")
+            os.makedirs(directory, mode=0o700, exist_ok=True)
+            self._dirs.add(directory)
+        for name in os.listdir(self.work_root):
+            other = os.path.join(self.work_root, name)
+            if other != self.tmp and _owner_is_gone(other):
+                shutil.rmtree(other, ignore_errors=True)  # a dead instance's leftovers
+
+    def close(self) -> None:
+        shutil.rmtree(self.tmp, ignore_errors=True)
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
+            self._lock_fd = None
+
+    def take(self) -> tuple[str, bool]:
+        """A file to write a block into: a recycled one (True) or a new name (False)."""
+        with self._pool_lock:
+            if self._pool:
+                return self._pool.pop(), True
+        return os.path.join(self.tmp, uuid.uuid4().hex), False
+
+    def recycle(self, path: str) -> None:
+        """Retire a block file: keep it for reuse (it stops being readable at once)."""
+        with self._pool_lock:
+            full = len(self._pool) >= self.POOL_MAX
+        if full:
+            self.remove(path)
+            return
+        spare = os.path.join(self.tmp, uuid.uuid4().hex)
+        try:
+            os.replace(path, spare)
+        except FileNotFoundError:
+            return
+        with self._pool_lock:
+            self._pool.append(spare)
+
+    def ensure_dir(self, path: str) -> None:
+        directory = os.path.dirname(path)
+        if directory not in self._dirs:
+            os.makedirs(directory, mode=0o700, exist_ok=True)
+            self._dirs.add(directory)
 
     def write_config(self, name: str, data: bytes) -> bytes | None:
         path = os.path.join(self.root, name)
@@ -105,17 +170,20 @@ class _LocalIo:
             return None
 
     def write_atomic(self, path: str, parts: Sequence[bytes | memoryview]) -> None:
-        directory = os.path.dirname(path)
-        if directory not in self._dirs:
-            os.makedirs(directory, mode=0o700, exist_ok=True)
-            self._dirs.add(directory)
-        tmp = os.path.join(self.tmp, uuid.uuid4().hex)
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        self.ensure_dir(path)
+        tmp, recycled = self.take()
+        flags = os.O_WRONLY if recycled else os.O_WRONLY | os.O_CREAT | os.O_EXCL
+        fd = os.open(tmp, flags, 0o600)
         try:
+            offset = 0
             for part in parts:
-                view = memoryview(part)
+                view = memoryview(part).cast("B")
                 while view:
-                    view = view[os.write(fd, view) :]
+                    written = os.pwrite(fd, view, offset)
+                    offset += written
+                    view = view[written:]
+            if recycled and os.fstat(fd).st_size != offset:
+                os.ftruncate(fd, offset)
         except BaseException:
             os.close(fd)
             os.unlink(tmp)
@@ -165,7 +233,7 @@ class _LocalIo:
 
     def walk(self) -> Iterator[tuple[str, int, float]]:
         for dirpath, dirnames, filenames in os.walk(self.root):
-            if dirpath == self.tmp:
+            if dirpath == self.work_root:
                 dirnames[:] = []
                 continue
             for name in filenames:
@@ -374,7 +442,7 @@ class FsspecTierStore:
 
     def _path(self, key: OffloadKey) -> str:
         h = key.hex()
-        return f"{self.root}/{h[0:2]}/{h[2:4]}/{h}{SUFFIX}"
+        return f"{self.root}/{h[:2]}/{h}{SUFFIX}"
 
     def _evict_to(self, limit: int, protected: set[OffloadKey]) -> list[OffloadKey]:
         victims: list[OffloadKey] = []
@@ -509,7 +577,7 @@ class FsspecTierStore:
 
     # -- internals -----------------------------------------------------------------------
     def _size(self, key: OffloadKey) -> int:
-        return HEADER.size + len(key) + self._host.slot_bytes
+        return HEADER_AREA + self._host.slot_bytes
 
     def _check_open(self, job: TierJob, kind: JobKind) -> None:
         if self._closed:
@@ -610,7 +678,8 @@ class FsspecTierStore:
         writes: list[tuple[str, list[bytes | memoryview]]] = []
         for key, slot in items:
             view = self._host.slot_view(slot)
-            header = HEADER.pack(MAGIC, len(view), zlib.crc32(view), len(key)) + key
+            header = HEADER.pack(MAGIC, len(view), xxhash.xxh3_64_intdigest(view), len(key))
+            header = (header + key).ljust(HEADER_AREA, b"\0")
             writes.append((self._path(key), [header, view]))
         errors = self._io.write_many(writes)
         written = [key for (key, _), err in zip(items, errors, strict=True) if err is None]
@@ -620,10 +689,7 @@ class FsspecTierStore:
     def _do_get(
         self, items: list[tuple[OffloadKey, int]]
     ) -> tuple[list[OffloadKey], list[OffloadKey]]:
-        reads = [
-            (self._path(key), HEADER.size + len(key), self._host.slot_view(slot))
-            for key, slot in items
-        ]
+        reads = [(self._path(key), HEADER_AREA, self._host.slot_view(slot)) for key, slot in items]
         headers = self._io.read_many(reads)
         ok: list[OffloadKey] = []
         corrupt: list[OffloadKey] = []
@@ -644,8 +710,8 @@ class FsspecTierStore:
             magic == MAGIC
             and length == len(view)
             and key_len == len(key)
-            and header[HEADER.size :] == key
-            and zlib.crc32(view) == crc
+            and header[HEADER.size : HEADER.size + key_len] == key
+            and xxhash.xxh3_64_intdigest(view) == crc
         )
 
     def _do_probe(
@@ -655,11 +721,27 @@ class FsspecTierStore:
         return known | frozenset(paths[p] for p in self._io.exists_many(list(paths)))
 
     def _remove_all(self, paths: list[str]) -> None:
+        retire = getattr(self._io, "recycle", self._io.remove)
         for path in paths:
             try:
-                self._io.remove(path)
+                retire(path)
             except Exception as exc:
                 log.warning("tier_remove_failed", tier=self._identity.ownership, error=_safe(exc))
+
+
+def _owner_is_gone(work_dir: str) -> bool:
+    """True when no live instance holds ``work_dir``'s lock."""
+    try:
+        fd = os.open(os.path.join(work_dir, ".lock"), os.O_RDWR)
+    except OSError:
+        return True
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+    return True
 
 
 def _protocols(fs: Any) -> tuple[str, ...]:

@@ -127,15 +127,14 @@ class _NixlPosixIo(_LocalIo):
         opened: list[tuple[str, str, int, int, int]] = []  # path, tmp, fd, header, length
         try:
             for path, (header, payload) in items:
-                directory = os.path.dirname(path)
-                if directory not in self._dirs:
-                    os.makedirs(directory, mode=0o700, exist_ok=True)
-                    self._dirs.add(directory)
-                tmp = os.path.join(self.tmp, uuid.uuid4().hex)
-                fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+                self.ensure_dir(path)
+                tmp, recycled = self.take()
+                flags = os.O_RDWR if recycled else os.O_RDWR | os.O_CREAT | os.O_EXCL
+                fd = os.open(tmp, flags, 0o600)
                 opened.append((path, tmp, fd, len(header), len(payload)))
                 os.pwrite(fd, header, 0)
-                os.ftruncate(fd, len(header) + len(payload))
+                if os.fstat(fd).st_size != len(header) + len(payload):
+                    os.ftruncate(fd, len(header) + len(payload))
             local = [
                 (self.nixl.slot_of(memoryview(payload)), len(payload), 0)
                 for _, (_, payload) in items
