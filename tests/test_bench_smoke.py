@@ -77,3 +77,27 @@ def test_events_bench_runs_and_reports_cost_and_memory() -> None:
     assert "translate + encode" in out
     assert "warm caches" in out
     assert "snapshot design" in out
+
+
+def test_tiers_bench_runs_every_tier_with_its_baseline() -> None:
+    out = subprocess.run(
+        [
+            sys.executable,
+            str(BENCH / "tiers.py"),
+            "--total-mib",
+            "8",
+            "--s3-total-mib",
+            "2",
+            "--repeats",
+            "1",
+            "--batch",
+            "4",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=300,
+    ).stdout
+    for tier in ("files", "nixl", "s3"):
+        assert f"\n{tier} " in out or out.startswith(tier), tier
+    assert out.count("KiB") == 6
