@@ -94,7 +94,7 @@ def timed(
 
 
 def local_files(
-    directory: str, chunk: int, total: int, batch: int, repeats: int, nixl: bool = False
+    directory: str, chunk: int, total: int, batch: int, repeats: int, *, nixl: bool = False
 ) -> dict[str, float]:
     n = total // chunk
     host = MemoryHostBuffer(min(n, 256), chunk)

@@ -33,6 +33,8 @@ PUBLIC = [
     "kvhex.adapters.jsonl",
     "kvhex.adapters.log",
     "kvhex.adapters.zmq",
+    "kvhex.adapters.fsspec",
+    "kvhex.adapters.nixl",
 ]
 
 
