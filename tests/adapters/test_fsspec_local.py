@@ -5,18 +5,18 @@ from __future__ import annotations
 
 import os
 import stat
-import time
 from pathlib import Path
 
 import pytest
 
 from kvhex.adapters.fsspec import HEADER_AREA, FsspecTierStore, namespace_digest
 from kvhex.adapters.memory import MemoryHostBuffer
-from kvhex.domain import JobId, JobKind, JobResult, Removed, Stored, TierJob, make_offload_key
+from kvhex.domain import JobKind, Removed, Stored
 from kvhex.errors import TierUnavailable
 from kvhex.ports.host_buffer import HostBuffer
 from kvhex.ports.tier_store import TierStore
 from kvhex.testing import TierStoreContract
+from tests.adapters.jobs import key, run
 
 SLOT = 4096
 NS = {"model": "tiny-llama", "blocks_per_chunk": 1, "dtype": "float16"}
@@ -31,36 +31,6 @@ class TestLocalFilesContract(TierStoreContract):
 
     def make_store(self, host: HostBuffer) -> TierStore:
         return FsspecTierStore(host, str(self.root), capacity_bytes=1 << 24, namespace=NS)
-
-
-def key(i: int) -> bytes:
-    return make_offload_key(i.to_bytes(32, "big"), 0)
-
-
-_next = iter(range(1, 1 << 30))
-
-
-def run(
-    store: FsspecTierStore, kind: JobKind, ids: list[int], slots: list[int] | None = None
-) -> JobResult:
-    job = TierJob(
-        JobId(next(_next)),
-        kind,
-        tuple(key(i) for i in ids),
-        tuple(slots if slots is not None else range(len(ids))) if kind is not JobKind.PROBE else (),
-    )
-    {
-        JobKind.PUT: store.submit_put,
-        JobKind.GET: store.submit_get,
-        JobKind.PROBE: store.submit_probe,
-    }[kind](job)
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        for result in store.poll():
-            assert result.job_id == job.job_id
-            return result
-        time.sleep(0.001)
-    raise AssertionError("job never finished")
 
 
 def fill(host: MemoryHostBuffer, slots: range, seed: int) -> None:

@@ -4,19 +4,19 @@ time."""
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 import pytest
 
 from kvhex.adapters.fsspec import FsspecTierStore
 from kvhex.adapters.memory import MemoryHostBuffer
-from kvhex.domain import JobId, JobKind, JobResult, Removed, Stored, TierJob, make_offload_key
+from kvhex.domain import JobKind, Removed, Stored
 from kvhex.errors import TierUnavailable
 from kvhex.ports.host_buffer import HostBuffer
 from kvhex.ports.tier_store import TierStore
 from kvhex.testing import TierStoreContract
 from tests.adapters.conftest import CREDENTIALS, s3_options
+from tests.adapters.jobs import key, run
 
 SLOT = 2048
 NS = {"model": "tiny-llama", "dtype": "float16"}
@@ -39,34 +39,6 @@ class TestS3Contract(TierStoreContract):
             namespace=NS,
             storage_options=s3_options(self.endpoint),
         )
-
-
-def key(i: int) -> bytes:
-    return make_offload_key(i.to_bytes(32, "big"), 0)
-
-
-_ids = iter(range(1, 1 << 30))
-
-
-def run(
-    store: FsspecTierStore, kind: JobKind, ids: list[int], slots: list[int] | None = None
-) -> JobResult:
-    keys = tuple(key(i) for i in ids)
-    job_slots = (
-        () if kind is JobKind.PROBE else tuple(slots if slots is not None else range(len(ids)))
-    )
-    job = TierJob(JobId(next(_ids)), kind, keys, job_slots)
-    {
-        JobKind.PUT: store.submit_put,
-        JobKind.GET: store.submit_get,
-        JobKind.PROBE: store.submit_probe,
-    }[kind](job)
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        for result in store.poll():
-            return result
-        time.sleep(0.005)
-    raise AssertionError("job never finished")
 
 
 def tier(host: MemoryHostBuffer, endpoint: str, bucket: str, **kw: Any) -> FsspecTierStore:

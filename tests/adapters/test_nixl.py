@@ -3,18 +3,18 @@ the loopback S3 server, each through the TierStore contract, plus integrity and 
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import pytest
 
 from kvhex.adapters.memory import MemoryHostBuffer
 from kvhex.adapters.nixl import NixlTierStore
-from kvhex.domain import JobId, JobKind, JobResult, Removed, Stored, TierJob, make_offload_key
+from kvhex.domain import JobKind, Removed, Stored
 from kvhex.ports.host_buffer import HostBuffer
 from kvhex.ports.tier_store import TierStore
 from kvhex.testing import TierStoreContract
 from tests.adapters.conftest import CREDENTIALS
+from tests.adapters.jobs import key, run
 
 SLOT = 4096
 NS = {"model": "tiny-llama"}
@@ -49,24 +49,6 @@ class TestNixlObjContract(TierStoreContract):
             secret_key=CREDENTIALS["secret"],
             locality=None,
         )
-
-
-_ids = iter(range(1, 1 << 30))
-
-
-def key(i: int) -> bytes:
-    return make_offload_key(i.to_bytes(32, "big"), 0)
-
-
-def run(store: NixlTierStore, kind: JobKind, ids: list[int], slots: list[int]) -> JobResult:
-    job = TierJob(JobId(next(_ids)), kind, tuple(key(i) for i in ids), tuple(slots))
-    (store.submit_put if kind is JobKind.PUT else store.submit_get)(job)
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        for result in store.poll():
-            return result
-        time.sleep(0.002)
-    raise AssertionError("job never finished")
 
 
 def test_posix_blocks_are_verified_and_survive_a_restart(tmp_path: Path) -> None:
