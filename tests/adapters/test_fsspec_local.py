@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import stat
+import time
 from pathlib import Path
 
 import pytest
@@ -169,8 +170,19 @@ def test_two_processes_sharing_a_root_see_each_others_blocks(
     assert run(b, JobKind.PROBE, [11, 12]).found == frozenset({key(11)})
     assert run(b, JobKind.GET, [11], [3]).success
     assert bytes(host.slot_view(3)) == bytes([42]) * SLOT
+    c = FsspecTierStore(host, str(tmp_path), capacity_bytes=1 << 20, namespace=NS, name="c")
+    assert [e.keys for e in c.take_events()] == [(key(11),)]  # its start-up inventory
+    a.delete([key(11)])
+    time.sleep(0.05)
+    a.poll()
+    assert not run(c, JobKind.GET, [11], [4]).success  # a removed it under c's feet
+    (removed,) = c.take_events()
+    assert isinstance(removed, Removed)
+    assert removed.keys == (key(11),)  # c no longer claims it
+    assert key(11) not in c
     a.close()
     b.close()
+    c.close()
 
 
 def test_an_unwritable_root_fails_at_start_up(tmp_path: Path, host: MemoryHostBuffer) -> None:

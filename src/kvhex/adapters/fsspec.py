@@ -635,11 +635,14 @@ class FsspecTierStore:
     def _apply_get(self, job: TierJob, outcome: Any, seconds: float) -> JobResult:
         if isinstance(outcome, Exception):
             return JobResult(job.job_id, False, seconds=seconds, error=_safe(outcome))
-        ok, corrupt = outcome
+        ok, corrupt, vanished = outcome
         for key in ok:
             if key in self._index:
                 self._index.move_to_end(key)
-        gone = [k for k in corrupt if k in self._index]
+        # corrupt blocks were deleted; vanished ones another instance sharing the root removed
+        # (a key still being written here is not gone)
+        lost = corrupt + [k for k in vanished if k not in self._writing]
+        gone = [k for k in lost if k in self._index]
         for key in gone:
             self._used -= self._index.pop(key)
         if gone:
@@ -688,20 +691,22 @@ class FsspecTierStore:
 
     def _do_get(
         self, items: list[tuple[OffloadKey, int]]
-    ) -> tuple[list[OffloadKey], list[OffloadKey]]:
+    ) -> tuple[list[OffloadKey], list[OffloadKey], list[OffloadKey]]:
         reads = [(self._path(key), HEADER_AREA, self._host.slot_view(slot)) for key, slot in items]
         headers = self._io.read_many(reads)
         ok: list[OffloadKey] = []
         corrupt: list[OffloadKey] = []
+        vanished: list[OffloadKey] = []
         for (key, _), (path, size, view), header in zip(items, reads, headers, strict=True):
             if header is None:
-                continue  # missing
+                vanished.append(key)
+                continue
             if len(header) != size or not self._valid(header, key, view):
                 corrupt.append(key)
                 self._io.remove(path)
                 continue
             ok.append(key)
-        return ok, corrupt
+        return ok, corrupt, vanished
 
     @staticmethod
     def _valid(header: bytes, key: OffloadKey, view: memoryview) -> bool:
