@@ -175,9 +175,10 @@ def s3(chunk: int, total: int, batch: int, repeats: int) -> dict[str, float]:
 
     def raw_get() -> None:
         for start in range(0, n, batch):
-            got = fs.cat([f"{bucket}/raw/0/{i}" for i in range(start, min(start + batch, n))])
-            for i, (_, data) in zip(range(start, start + batch), sorted(got.items()), strict=False):
-                host.slot_view(i % host.num_slots)[:] = data
+            paths = [f"{bucket}/raw/0/{i}" for i in range(start, min(start + batch, n))]
+            got = fs.cat(paths)
+            for i, path in enumerate(paths, start):
+                host.slot_view(i % host.num_slots)[:] = got[path]
 
     out["raw put"] = timed(raw_put, total, repeats)
     out["raw get"] = timed(raw_get, total, repeats)

@@ -208,9 +208,6 @@ class _LocalIo:
             os.close(fd)
         return header
 
-    def exists(self, path: str) -> bool:
-        return os.path.exists(path)
-
     def remove(self, path: str) -> None:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(path)
