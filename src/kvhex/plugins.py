@@ -30,6 +30,7 @@ from kvhex.domain.policies.base import EvictionPolicy
 from kvhex.errors import PluginError
 from kvhex.ports.event_sink import EventSink
 from kvhex.ports.tier_store import TierStore
+from kvhex.ports.transfer import BlockTransfer
 
 __all__ = [
     "GROUPS",
@@ -87,12 +88,11 @@ def _factory_of(protocol: type, what: str) -> Checker:
 
 GROUPS: Mapping[str, Checker | None] = {
     TIERS: _factory_of(TierStore, "tier"),
-    TRANSFERS: None,
+    TRANSFERS: _factory_of(BlockTransfer, "transfer"),
     SINKS: _factory_of(EventSink, "event sink"),
     POLICIES: _factory_of(EvictionPolicy, "policy"),
 }
-"""Every entry-point group kvhex reads, with the check a loaded object must pass. Groups
-whose port is not part of kvhex yet accept any object."""
+"""Every entry-point group kvhex reads, with the check a loaded object must pass."""
 
 
 @attrs.frozen

@@ -38,6 +38,7 @@ from kvhex.domain.tiers import (
     TierIdentity,
     TierMatcher,
 )
+from kvhex.domain.transfer import TransferJob, TransferKind, TransferResult
 from kvhex.domain.translate import EventTranslator
 
 __all__ = [
@@ -79,6 +80,9 @@ __all__ = [
     "TierIdentity",
     "TierJob",
     "TierMatcher",
+    "TransferJob",
+    "TransferKind",
+    "TransferResult",
     "make_offload_key",
     "offload_key_group",
     "offload_key_hash",

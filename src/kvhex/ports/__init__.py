@@ -10,5 +10,6 @@ from kvhex.ports.event_sink import EventSink
 from kvhex.ports.events import EventSource
 from kvhex.ports.host_buffer import HostBuffer
 from kvhex.ports.tier_store import RequestAware, TierStore
+from kvhex.ports.transfer import BlockTransfer
 
-__all__ = ["EventSink", "EventSource", "HostBuffer", "RequestAware", "TierStore"]
+__all__ = ["BlockTransfer", "EventSink", "EventSource", "HostBuffer", "RequestAware", "TierStore"]
