@@ -12,7 +12,8 @@ go host -> tier (put) and tier -> host (get) through the tier's own jobs, in bat
     python bench/tiers.py [--total-mib 2048] [--tiers files,s3] [--dir PATH]
 
 A plain script, never a timed test. Page cache is warm after the first pass; each figure is
-the median of ``--repeats`` passes.
+the median of ``--repeats`` passes; raw and tier passes alternate, and the ratio is the median
+of the per-pass ratios, so both sides see the same machine.
 """
 
 from __future__ import annotations
@@ -80,17 +81,26 @@ class TierRun:
         wait_all(self.store, self._jobs(JobKind.GET))
 
 
-def timed(
-    fn: Callable[[], None], nbytes: int, repeats: int, before: Callable[[], None] | None = None
-) -> float:
-    rates = []
+def timed(fn: Callable[[], None], nbytes: int) -> float:
+    """GB/s of one call."""
+    t0 = time.perf_counter()
+    fn()
+    return nbytes / (time.perf_counter() - t0) / 1e9
+
+
+def alternating(
+    pairs: dict[str, tuple[Callable[[], None], Callable[[], None]]], nbytes: int, repeats: int
+) -> dict[str, float]:
+    """Median GB/s of raw and tier for each direction, and the median of the per-repeat
+    ratios: raw and tier alternate, so both see the same machine (page cache, other load)."""
+    rates: dict[str, list[float]] = {}
     for _ in range(repeats):
-        if before:
-            before()
-        t0 = time.perf_counter()
-        fn()
-        rates.append(nbytes / (time.perf_counter() - t0) / 1e9)
-    return statistics.median(rates)
+        for direction, (raw, tier) in pairs.items():
+            r, t = timed(raw, nbytes), timed(tier, nbytes)
+            rates.setdefault(f"raw {direction}", []).append(r)
+            rates.setdefault(f"tier {direction}", []).append(t)
+            rates.setdefault(f"ratio {direction}", []).append(t / r)
+    return {name: statistics.median(values) for name, values in rates.items()}
 
 
 def local_files(
@@ -100,7 +110,6 @@ def local_files(
     host = MemoryHostBuffer(min(n, 256), chunk)
     for s in range(host.num_slots):
         host.slot_view(s)[:] = os.urandom(16) * (chunk // 16)
-    out: dict[str, float] = {}
     # baseline: one preallocated file, positional IO of the same bytes
     path = os.path.join(directory, "raw.bin")
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
@@ -114,10 +123,6 @@ def local_files(
         for i in range(n):
             os.preadv(fd, [host.slot_view(i % host.num_slots)], i * chunk)
 
-    out["raw put"] = timed(raw_put, total, repeats)
-    out["raw get"] = timed(raw_get, total, repeats)
-    os.close(fd)
-    os.unlink(path)
     root = os.path.join(directory, "tier")
     if nixl:
         from kvhex.adapters.nixl import NixlTierStore
@@ -130,11 +135,13 @@ def local_files(
             host, root, capacity_bytes=total + total // 8, name="files", io_threads=4
         )
     run = TierRun(store, host, n, batch)
-    out["tier put"] = timed(run.put, total, repeats)
-    out["tier get"] = timed(run.get, total, repeats)
-    store.close()
-    shutil.rmtree(root)
-    return out
+    try:
+        return alternating({"put": (raw_put, run.put), "get": (raw_get, run.get)}, total, repeats)
+    finally:
+        store.close()
+        os.close(fd)
+        os.unlink(path)
+        shutil.rmtree(root)
 
 
 def s3(chunk: int, total: int, batch: int, repeats: int) -> dict[str, float]:
@@ -160,29 +167,24 @@ def s3(chunk: int, total: int, batch: int, repeats: int) -> dict[str, float]:
     host = MemoryHostBuffer(min(n, 256), chunk)
     for s in range(host.num_slots):
         host.slot_view(s)[:] = os.urandom(16) * (chunk // 16)
-    out: dict[str, float] = {}
-    rounds = iter(range(1 << 30))
 
-    def raw_put() -> None:
-        r = next(rounds)
+    def raw_put() -> None:  # overwrites the same objects: moto keeps every byte in memory
         for start in range(0, n, batch):
             fs.pipe(
                 {
-                    f"{bucket}/raw/{r}/{i}": bytes(host.slot_view(i % host.num_slots))
+                    f"{bucket}/raw/{i}": bytes(host.slot_view(i % host.num_slots))
                     for i in range(start, min(start + batch, n))
                 }
             )
 
     def raw_get() -> None:
         for start in range(0, n, batch):
-            paths = [f"{bucket}/raw/0/{i}" for i in range(start, min(start + batch, n))]
+            paths = [f"{bucket}/raw/{i}" for i in range(start, min(start + batch, n))]
             got = fs.cat(paths)
             for i, path in enumerate(paths, start):
                 host.slot_view(i % host.num_slots)[:] = got[path]
 
-    out["raw put"] = timed(raw_put, total, repeats)
-    out["raw get"] = timed(raw_get, total, repeats)
-    fs.rm(f"{bucket}/raw", recursive=True)
+    raw_put()  # what raw_get reads
     store = FsspecTierStore(
         host,
         f"s3://{bucket}/kv",
@@ -192,11 +194,11 @@ def s3(chunk: int, total: int, batch: int, repeats: int) -> dict[str, float]:
         storage_options=opts,
     )
     run = TierRun(store, host, n, batch)
-    out["tier put"] = timed(run.put, total, repeats)
-    out["tier get"] = timed(run.get, total, repeats)
-    store.close()
-    server.stop()
-    return out
+    try:
+        return alternating({"put": (raw_put, run.put), "get": (raw_get, run.get)}, total, repeats)
+    finally:
+        store.close()
+        server.stop()
 
 
 def main() -> None:
@@ -210,7 +212,7 @@ def main() -> None:
     )
     parser.add_argument("--tiers", default="files,nixl,s3")
     parser.add_argument("--batch", type=int, default=16)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument(
         "--dir", default=None, help="where the file tier writes (default: a temp dir)"
     )
@@ -244,8 +246,8 @@ def main() -> None:
 def _row(name: str, label: str, r: dict[str, float]) -> str:
     return (
         f"{name:<8}{label:>8}{r['tier put']:>10.2f}{r['raw put']:>8.2f}"
-        f"{r['tier put'] / r['raw put']:>7.2f}{r['tier get']:>10.2f}{r['raw get']:>8.2f}"
-        f"{r['tier get'] / r['raw get']:>7.2f}"
+        f"{r['ratio put']:>7.2f}{r['tier get']:>10.2f}{r['raw get']:>8.2f}"
+        f"{r['ratio get']:>7.2f}"
     )
 
 

@@ -4,7 +4,10 @@ integrity, capacity, restart, crash leftovers, sharing, and bad roots."""
 from __future__ import annotations
 
 import os
+import signal
 import stat
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -44,22 +47,55 @@ def host() -> MemoryHostBuffer:
     return MemoryHostBuffer(8, SLOT)
 
 
+def corrupt(store: FsspecTierStore, k: int, *, at: int, truncate: bool = False) -> None:
+    """Flip the byte ``at`` bytes into block ``k``'s payload, or cut the file there."""
+    path, offset = store.location(key(k))
+    with open(path, "r+b") as f:
+        if truncate:
+            f.truncate(offset + HEADER_AREA + at)
+            return
+        f.seek(offset + HEADER_AREA + at)
+        byte = f.read(1)
+        f.seek(offset + HEADER_AREA + at)
+        f.write(bytes([byte[0] ^ 0xFF]))
+
+
 def test_layout_namespace_permissions_and_config(tmp_path: Path, host: MemoryHostBuffer) -> None:
     store = FsspecTierStore(host, str(tmp_path), capacity_bytes=1 << 20, namespace=NS)
-    fill(host, range(1), 1)
-    assert run(store, JobKind.PUT, [7]).success
+    fill(host, range(2), 1)
+    assert run(store, JobKind.PUT, [7, 8]).success
     digest = namespace_digest({**NS, "slot_bytes": SLOT})
-    path = Path(store.path_of(key(7)))
-    assert path.parent.parent == tmp_path / digest
-    assert path.parent.name == key(7).hex()[:2]
-    assert path.name == key(7).hex() + ".blk"
-    assert stat.S_IMODE(path.stat().st_mode) == 0o600
-    assert stat.S_IMODE(path.parent.stat().st_mode) == 0o700
-    assert (tmp_path / digest / "config.json").exists()
+    ns = tmp_path / digest
+    path, offset = store.location(key(7))
+    slab = Path(path)
+    assert slab.parent == ns / "slabs"
+    assert slab.suffix == ".slab"
+    assert len(slab.stem) == 32
+    assert int(slab.stem, 16) >= 0  # hex only
+    assert (offset, store.location(key(8))) == (0, (path, HEADER_AREA + SLOT))
+    assert (
+        slab.read_bytes()[offset + HEADER_AREA : offset + HEADER_AREA + SLOT] == bytes([1]) * SLOT
+    )
+    for made in (slab, ns / "index.sqlite", ns / "config.json", ns / "index.sqlite-wal"):
+        assert stat.S_IMODE(made.stat().st_mode) == 0o600, made
+    for directory in (ns, ns / "slabs"):
+        assert stat.S_IMODE(directory.stat().st_mode) == 0o700
     other = FsspecTierStore(host, str(tmp_path), capacity_bytes=1 << 20, namespace={"model": "x"})
     assert other.root != store.root  # incompatible blocks never meet
     store.close()
     other.close()
+
+
+def test_slabs_hold_no_more_than_the_capacity(tmp_path: Path, host: MemoryHostBuffer) -> None:
+    block = HEADER_AREA + SLOT
+    store = FsspecTierStore(host, str(tmp_path), capacity_bytes=5 * block + 100, namespace=NS)
+    fill(host, range(8), 0)
+    for start in range(0, 16, 4):
+        assert run(store, JobKind.PUT, list(range(start, start + 4)), list(range(4))).success
+    (slab,) = (Path(store.root) / "slabs").iterdir()
+    assert slab.stat().st_size == 5 * block
+    assert len(store.keys()) == 5
+    store.close()
 
 
 def test_corrupt_and_truncated_blocks_are_never_served(
@@ -69,22 +105,24 @@ def test_corrupt_and_truncated_blocks_are_never_served(
     fill(host, range(2), 3)
     assert run(store, JobKind.PUT, [1, 2]).success
     store.take_events()
-    flipped = Path(store.path_of(key(1)))
-    data = bytearray(flipped.read_bytes())
-    data[-1] ^= 0xFF
-    flipped.write_bytes(bytes(data))
-    truncated = Path(store.path_of(key(2)))
-    truncated.write_bytes(truncated.read_bytes()[:-10])
+    corrupt(store, 1, at=SLOT - 1)
+    corrupt(store, 2, at=SLOT - 10, truncate=True)
     result = run(store, JobKind.GET, [1, 2], [5, 6])
     assert not result.success
     assert result.ok_keys == frozenset()
-    assert not flipped.exists()
-    assert not truncated.exists()
+    for k in (1, 2):
+        with pytest.raises(KeyError):
+            store.location(key(k))
     (removed,) = store.take_events()
     assert isinstance(removed, Removed)
     assert set(removed.keys) == {key(1), key(2)}
     assert store.corrupt_blocks == 2
     assert run(store, JobKind.PROBE, [1, 2]).found == frozenset()
+    fill(host, range(2), 60)
+    assert run(store, JobKind.PUT, [1], [0]).success  # the freed slot takes a new block
+    assert run(store, JobKind.GET, [1], [7]).success
+    assert bytes(host.slot_view(7)) == bytes([60]) * SLOT
+    store.close()
 
 
 def test_capacity_evicts_least_recent_and_announces_first(
@@ -95,69 +133,167 @@ def test_capacity_evicts_least_recent_and_announces_first(
     fill(host, range(3), 0)
     assert run(store, JobKind.PUT, [1, 2, 3]).success
     store.take_events()
+    where = store.location(key(1))
     assert run(store, JobKind.PUT, [4, 5]).success
     events = store.take_events()
     assert [type(e) for e in events] == [Removed, Stored]
     assert events[0].keys == (key(1), key(2))
-    assert not Path(store.path_of(key(1))).exists()
+    with pytest.raises(KeyError):
+        store.location(key(1))
+    assert where in {store.location(key(4)), store.location(key(5))}  # its slot reused
     assert store.keys() == [key(3), key(4), key(5)]
+    store.close()
 
 
-def test_restart_sees_blocks_and_announces_them_once(
+def test_restart_adopts_the_blocks_and_announces_them_once(
     tmp_path: Path, host: MemoryHostBuffer
 ) -> None:
     first = FsspecTierStore(host, str(tmp_path), capacity_bytes=1 << 20, namespace=NS)
     fill(host, range(3), 9)
     assert run(first, JobKind.PUT, [1, 2, 3]).success
     first.close()
-    (tmp_path / namespace_digest({**NS, "slot_bytes": SLOT}) / "ab").mkdir(
-        mode=0o700, exist_ok=True
-    )
-    (tmp_path / namespace_digest({**NS, "slot_bytes": SLOT}) / "ab" / "notes.txt").write_text("x")
+    ns = tmp_path / namespace_digest({**NS, "slot_bytes": SLOT})
+    (ns / "notes.txt").write_text("x")
+    (ns / "slabs" / "not-a-slab.bin").write_text("x")
     second = FsspecTierStore(host, str(tmp_path), capacity_bytes=1 << 20, namespace=NS)
     (inventory,) = second.take_events()
     assert isinstance(inventory, Stored)
     assert set(inventory.keys) == {key(1), key(2), key(3)}
     assert inventory.ctx is None
-    assert second.foreign_files == 1
+    assert second.foreign_files == 2
     fill(host, range(8), 77)
     assert run(second, JobKind.GET, [2], [7]).success
     assert bytes(host.slot_view(7)) == bytes([(9 + 1) % 256]) * SLOT
+    assert run(second, JobKind.PUT, [4], [0]).success  # into the adopted slab
+    assert len(list((ns / "slabs").glob("*.slab"))) == 1
     second.close()
 
 
-def test_a_crash_mid_write_leaves_nothing_readable(tmp_path: Path, host: MemoryHostBuffer) -> None:
-    store = FsspecTierStore(host, str(tmp_path), capacity_bytes=1 << 20, namespace=NS)
-    store.close()
-    dead = Path(store.root) / "work" / "deadbeef"  # a crashed instance's work directory
-    dead.mkdir(parents=True)
-    (dead / ".lock").write_bytes(b"")
-    (dead / "half-written").write_bytes(b"KVHXBLK1" + b"\0" * 10)
+def test_an_unreadable_index_is_rebuilt_from_the_slab_headers(
+    tmp_path: Path, host: MemoryHostBuffer
+) -> None:
+    first = FsspecTierStore(host, str(tmp_path), capacity_bytes=1 << 20, namespace=NS)
+    fill(host, range(3), 20)
+    assert run(first, JobKind.PUT, [1, 2, 3]).success
+    first.delete([key(3)])
+    first.drain()
+    time.sleep(0.05)
+    first.close()
+    ns = tmp_path / namespace_digest({**NS, "slot_bytes": SLOT})
+    for name in ("index.sqlite-wal", "index.sqlite-shm"):
+        (ns / name).unlink(missing_ok=True)
+    (ns / "index.sqlite").write_bytes(b"this is not a database" * 300)
     again = FsspecTierStore(host, str(tmp_path), capacity_bytes=1 << 20, namespace=NS)
-    assert not dead.exists()
-    assert again.take_events() == []
+    (inventory,) = again.take_events()
+    assert set(inventory.keys) == {key(1), key(2)}  # the removed block stays removed
+    assert run(again, JobKind.GET, [1, 2], [6, 7]).success
+    assert bytes(host.slot_view(7)) == bytes([21]) * SLOT
     again.close()
+    third = FsspecTierStore(host, str(tmp_path), capacity_bytes=1 << 20, namespace=NS)
+    assert set(third.take_events()[0].keys) == set(inventory.keys)  # the new index persisted
+    third.close()
 
 
-def test_live_instances_keep_their_work_and_reuse_retired_files(
+def test_restart_into_a_smaller_capacity_evicts_the_oldest(
     tmp_path: Path, host: MemoryHostBuffer
 ) -> None:
     block = HEADER_AREA + SLOT
-    a = FsspecTierStore(host, str(tmp_path), capacity_bytes=2 * block, namespace=NS, name="a")
-    b = FsspecTierStore(host, str(tmp_path), capacity_bytes=1 << 20, namespace=NS, name="b")
-    work = Path(a.root) / "work"
-    assert len(list(work.iterdir())) == 2  # b did not remove a's work directory
+    first = FsspecTierStore(host, str(tmp_path), capacity_bytes=1 << 20, namespace=NS)
+    fill(host, range(3), 1)
+    for k in (1, 2, 3):
+        assert run(first, JobKind.PUT, [k], [k - 1]).success
+        time.sleep(0.01)
+    first.close()
+    second = FsspecTierStore(host, str(tmp_path), capacity_bytes=2 * block, namespace=NS)
+    (inventory,) = second.take_events()
+    assert inventory.keys == (key(2), key(3))
+    assert run(second, JobKind.PROBE, [1]).found == frozenset()
+    second.close()
+
+
+CRASHING_WRITER = """
+import os, sys
+from kvhex.adapters.fsspec import FsspecTierStore
+from kvhex.adapters.memory import MemoryHostBuffer
+from kvhex.domain import JobId, JobKind, TierJob, make_offload_key
+
+root, slot = sys.argv[1], int(sys.argv[2])
+host = MemoryHostBuffer(4, slot)
+store = FsspecTierStore(host, root, capacity_bytes=64 * (slot + 4096), namespace={"m": 1})
+i = 0
+while True:  # until killed, in the middle of whatever it is doing
+    keys = tuple(make_offload_key(n.to_bytes(32, "big"), 0) for n in range(i, i + 4))
+    for s, n in enumerate(range(i, i + 4)):
+        host.slot_view(s)[:] = n.to_bytes(8, "big") * (slot // 8)
+    store.submit_put(TierJob(JobId(i), JobKind.PUT, keys, (0, 1, 2, 3)))
+    store.drain()
+    store.poll()
+    if i == 40:
+        print("ready", flush=True)
+    i += 4
+"""
+
+
+def test_a_process_killed_mid_write_leaves_no_torn_block_readable(tmp_path: Path) -> None:
+    slot = 1 << 16
+    child = subprocess.Popen(
+        [sys.executable, "-c", CRASHING_WRITER, str(tmp_path), str(slot)],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert child.stdout is not None
+    assert child.stdout.readline().strip() == "ready"
+    time.sleep(0.2)
+    child.send_signal(signal.SIGKILL)
+    child.wait()
+    child.stdout.close()
+    host = MemoryHostBuffer(1, slot)
+    again = FsspecTierStore(
+        host, str(tmp_path), capacity_bytes=64 * (slot + 4096), namespace={"m": 1}
+    )
+    (inventory,) = again.take_events()
+    assert len(inventory.keys) >= 40
+    served = 0
+    for k in inventory.keys:
+        n = int.from_bytes(bytes(k)[:32], "big")
+        result = run(again, JobKind.GET, [n], [0])
+        if result.success:  # every block served holds exactly what was stored under it
+            assert bytes(host.slot_view(0)) == n.to_bytes(8, "big") * (slot // 8)
+            served += 1
+    assert served >= len(inventory.keys) - 4  # at most the job the kill interrupted
+    again.close()
+
+
+def test_a_crash_while_creating_a_slab_leaves_nothing(
+    tmp_path: Path, host: MemoryHostBuffer
+) -> None:
+    store = FsspecTierStore(host, str(tmp_path), capacity_bytes=1 << 20, namespace=NS)
+    store.close()
+    half = Path(store.root) / "slabs" / ("ab" * 16 + ".new")  # a dead instance's, unlocked
+    half.write_bytes(b"\0" * 100)
+    again = FsspecTierStore(host, str(tmp_path), capacity_bytes=1 << 20, namespace=NS)
+    assert not half.exists()
+    assert again.take_events() == []
+    assert again.foreign_files == 0
+    again.close()
+
+
+def test_live_instances_never_take_each_others_slabs(
+    tmp_path: Path, host: MemoryHostBuffer
+) -> None:
+    a = FsspecTierStore(host, str(tmp_path), capacity_bytes=1 << 20, namespace=NS, name="a")
     fill(host, range(2), 1)
     assert run(a, JobKind.PUT, [1, 2]).success
-    inode = Path(a.path_of(key(1))).stat().st_ino
-    fill(host, range(1), 9)
-    assert run(a, JobKind.PUT, [3], [0]).success  # evicts 1: its file is reused for 3
-    assert not Path(a.path_of(key(1))).exists()
-    assert Path(a.path_of(key(3))).stat().st_ino == inode
-    assert run(a, JobKind.GET, [3], [5]).success
-    assert bytes(host.slot_view(5)) == bytes([9]) * SLOT
+    b = FsspecTierStore(host, str(tmp_path), capacity_bytes=1 << 20, namespace=NS, name="b")
+    assert b.take_events() == []  # a is alive: its blocks stay a's
+    assert run(b, JobKind.PUT, [3], [0]).success
+    assert b.location(key(3))[0] != a.location(key(1))[0]  # a slab of b's own
     a.close()
+    c = FsspecTierStore(host, str(tmp_path), capacity_bytes=1 << 20, namespace=NS, name="c")
+    (inventory,) = c.take_events()  # a died: c adopts its slab, not b's
+    assert set(inventory.keys) == {key(1), key(2)}
     b.close()
+    c.close()
 
 
 def test_two_processes_sharing_a_root_see_each_others_blocks(
@@ -170,19 +306,21 @@ def test_two_processes_sharing_a_root_see_each_others_blocks(
     assert run(b, JobKind.PROBE, [11, 12]).found == frozenset({key(11)})
     assert run(b, JobKind.GET, [11], [3]).success
     assert bytes(host.slot_view(3)) == bytes([42]) * SLOT
-    c = FsspecTierStore(host, str(tmp_path), capacity_bytes=1 << 20, namespace=NS, name="c")
-    assert [e.keys for e in c.take_events()] == [(key(11),)]  # its start-up inventory
+    assert b.take_events() == []  # a's block, a's events
     a.delete([key(11)])
     time.sleep(0.05)
     a.poll()
-    assert not run(c, JobKind.GET, [11], [4]).success  # a removed it under c's feet
-    (removed,) = c.take_events()
-    assert isinstance(removed, Removed)
-    assert removed.keys == (key(11),)  # c no longer claims it
-    assert key(11) not in c
+    assert run(b, JobKind.PROBE, [11]).found == frozenset()
+    assert not run(b, JobKind.GET, [11], [4]).success  # a removed it
+    assert b.take_events() == []
+    corrupt_target = 12
+    fill(host, range(1), 5)
+    assert run(a, JobKind.PUT, [corrupt_target]).success
+    corrupt(a, corrupt_target, at=0)
+    assert not run(b, JobKind.GET, [corrupt_target], [4]).success  # never served
+    assert key(corrupt_target) in a  # not b's to drop
     a.close()
     b.close()
-    c.close()
 
 
 def test_an_unwritable_root_fails_at_start_up(tmp_path: Path, host: MemoryHostBuffer) -> None:
@@ -197,20 +335,31 @@ def test_a_full_disk_fails_the_put_and_announces_nothing(
     tmp_path: Path, host: MemoryHostBuffer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     store = FsspecTierStore(host, str(tmp_path), capacity_bytes=1 << 20, namespace=NS)
-    real_write = os.pwrite
 
-    def full(fd: int, data: object, offset: int) -> int:
+    def full(fd: int, offset: int, length: int) -> None:
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(os, "pwrite", full)
+    monkeypatch.setattr(os, "posix_fallocate", full)
     fill(host, range(1), 5)
     result = run(store, JobKind.PUT, [1])
-    monkeypatch.setattr(os, "pwrite", real_write)
     assert not result.success
     assert "No space left" in (result.error or "")
-    assert store.take_events() == []
-    assert store.keys() == []
-    (work,) = (Path(store.root) / "work").iterdir()
-    assert [p.name for p in work.iterdir()] == [".lock"]  # no half-written file left
-    assert store.used_bytes == 0
+    assert list((Path(store.root) / "slabs").iterdir()) == []  # no half-made slab
+    monkeypatch.undo()
+    assert run(store, JobKind.PUT, [2]).success
+    real_write = os.pwrite
+
+    def failing(fd: int, data: object, offset: int) -> int:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "pwrite", failing)
+    result = run(store, JobKind.PUT, [3])
+    monkeypatch.setattr(os, "pwrite", real_write)
+    assert not result.success
+    assert [type(e) for e in store.take_events()] == [Stored]  # block 2's only
+    assert store.keys() == [key(2)]
+    assert store.used_bytes == HEADER_AREA + SLOT
+    with pytest.raises(KeyError):
+        store.location(key(3))
+    assert run(store, JobKind.PUT, [3]).success  # the slot was given back
     store.close()

@@ -82,9 +82,9 @@ def test_corrupt_objects_are_deleted_and_their_removal_announced(
     assert run(store, JobKind.PUT, [1, 2]).success
     store.take_events()
     fs = s3fs.S3FileSystem(**s3_options(s3_server))
-    data = bytearray(fs.cat_file(store.path_of(key(1))))
+    data = bytearray(fs.cat_file(store.location(key(1))[0]))
     data[-100] ^= 0x55  # a payload byte
-    fs.pipe_file(store.path_of(key(1)), bytes(data))
+    fs.pipe_file(store.location(key(1))[0], bytes(data))
     result = run(store, JobKind.GET, [1, 2], [2, 3])
     assert not result.success
     assert result.ok_keys == frozenset({key(2)})
@@ -92,7 +92,7 @@ def test_corrupt_objects_are_deleted_and_their_removal_announced(
     (removed,) = store.take_events()
     assert isinstance(removed, Removed)
     assert removed.keys == (key(1),)
-    assert not fs.exists(store.path_of(key(1)))
+    assert not fs.exists(store.location(key(1))[0])
     store.close()
 
 

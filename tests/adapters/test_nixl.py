@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from kvhex.adapters.fsspec import HEADER_AREA
 from kvhex.adapters.memory import MemoryHostBuffer
 from kvhex.adapters.nixl import NixlTierStore
 from kvhex.domain import JobKind, Removed, Stored
@@ -62,10 +63,12 @@ def test_posix_blocks_are_verified_and_survive_a_restart(tmp_path: Path) -> None
     (inventory,) = again.take_events()
     assert isinstance(inventory, Stored)
     assert set(inventory.keys) == {key(1), key(2)}
-    block = Path(again.path_of(key(2)))
-    data = bytearray(block.read_bytes())
-    data[-5] ^= 1
-    block.write_bytes(bytes(data))
+    path, offset = again.location(key(2))
+    with open(path, "r+b") as slab:  # flip a payload byte in its slot
+        slab.seek(offset + HEADER_AREA + SLOT - 5)
+        byte = slab.read(1)[0]
+        slab.seek(offset + HEADER_AREA + SLOT - 5)
+        slab.write(bytes([byte ^ 1]))
     result = run(again, JobKind.GET, [1, 2], [2, 3])
     assert result.ok_keys == frozenset({key(1)})
     assert bytes(host.slot_view(2)) == bytes([1]) * SLOT

@@ -1,27 +1,38 @@
-"""A secondary tier on any fsspec filesystem: local files (with a fast path) or object stores.
+"""A secondary tier on any fsspec filesystem: local files (slab files with a shared index) or
+object stores (one object per block).
 
-Layout under the configured root::
+Local layout under the configured root::
 
-    ROOT/<namespace digest>/config.json          what makes blocks compatible (model, chunk
-                                                 geometry, dtype, layout version), recorded
-    ROOT/<namespace digest>/<k0k1>/<key hex>.blk    256 shard directories, made at start-up
-    ROOT/<namespace digest>/tmp/                 in-flight writes (local filesystems)
+    ROOT/<namespace digest>/config.json       what makes blocks compatible (model, chunk
+                                              geometry, dtype, layout version), recorded
+    ROOT/<namespace digest>/index.sqlite      shared index: key -> (slab, slot), SQLite WAL
+    ROOT/<namespace digest>/slabs/<id>.slab   preallocated slab files of fixed-size slots
 
-Paths are built only from the hex of the offload key under the configured root, so no input
-can name a path outside it. Local files are created ``0600`` and directories ``0700``.
+Object-store layout::
 
-A block file is a 4 KiB header area (magic, payload length, XXH3-64 of the payload, the key,
-zero padding) and the host
-slot's bytes. Every read verifies all of it; a mismatch or a truncated file is a failed load,
-the file is deleted and, if this tier had announced it, its removal is announced. Local writes
-go to ``tmp/`` and are renamed into place, so a crash mid-write never leaves a torn block
-readable (leftovers in ``tmp/`` are removed at start-up). Object-store writes are single
-``PUT``s, atomic by nature.
+    ROOT/<namespace digest>/config.json
+    ROOT/<namespace digest>/<k0k1>/<key hex>.blk
 
-The tier keeps an LRU index of the blocks it knows (rebuilt at start-up by listing the
-namespace, oldest first; the blocks found are announced once as stored, without provenance)
-and a byte capacity: blocks are evicted least recently used first, and announced. Probes and
-loads also find blocks another process sharing the root wrote.
+Names are built only from hex (offload keys, random slab ids) under the configured root, so no
+input can name a path outside it. Local files are created ``0600`` and directories ``0700``.
+
+A block is a 4 KiB header area (magic, payload length, XXH3-64 of the payload, the key, zero
+padding) and the host slot's bytes; in a slab it fills one slot. Every read verifies all of
+it: a mismatch or a short read is a failed load, and a block this instance owns is dropped
+and its removal announced.
+
+Local writes are positional: the payload goes into a free slot of a slab file this instance
+owns (each live instance holds an exclusive ``flock`` on its slabs), then the header, then
+one index transaction per job publishes the job's blocks. A crash before the commit leaves
+no index row, so nothing torn is ever found; the checksum catches anything else. At start-up
+an instance adopts the slabs of instances that died (their lock is free) with their blocks,
+and announces those blocks once, as stored without provenance. Other live instances' blocks
+are found through the index and read from their slabs, never announced or evicted here.
+Object-store writes are single ``PUT``s, atomic by nature; every instance lists the
+namespace at start-up.
+
+The tier keeps an LRU index of the blocks it owns and a byte capacity: blocks are evicted
+least recently used first, and announced.
 
 Threads: all IO runs on a pool of ``io_threads``; submissions, ``poll``, ``delete`` and the
 index and event bookkeeping run on the scheduler thread only.
@@ -35,14 +46,14 @@ import fcntl
 import hashlib
 import json
 import os
-import shutil
+import sqlite3
 import struct
 import threading
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import Iterator, Mapping, Sequence
-from typing import Any, NamedTuple
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
 
 import structlog
 import xxhash
@@ -58,7 +69,7 @@ __all__ = ["HEADER_AREA", "LAYOUT_VERSION", "FsspecTierStore", "namespace_digest
 
 log = structlog.get_logger(__name__)
 
-LAYOUT_VERSION = 1
+LAYOUT_VERSION = 2
 MAGIC = b"KVHXBLK1"
 HEADER = struct.Struct(">8sQQH")  # magic, payload length, xxh3-64 of the payload, key length
 HEADER_AREA = 4096
@@ -66,6 +77,13 @@ HEADER_AREA = 4096
 4x faster through the page cache than one at an odd offset (docs/tiers.md), and suits
 NIXL and direct IO."""
 SUFFIX = ".blk"
+SLAB_BYTES = 1 << 30
+"""Target size of one slab file; a tier smaller than this gets one slab of its size."""
+INDEX = "index.sqlite"
+_SQL_VARS = 500  # keys per ``IN (...)`` query, under SQLite's variable limit
+
+Located = tuple[str, int]
+"""Where a block lives: a file or object, and the byte offset of its header."""
 
 
 def namespace_digest(namespace: Mapping[str, Any]) -> str:
@@ -74,10 +92,27 @@ def namespace_digest(namespace: Mapping[str, Any]) -> str:
     return hashlib.sha256(canonical.encode()).hexdigest()[:16]
 
 
-def _key_from_name(name: str) -> OffloadKey | None:
-    if not name.endswith(SUFFIX):
-        return None
-    stem = name[: -len(SUFFIX)]
+def pack_header(key: OffloadKey, payload: memoryview) -> bytes:
+    """The header area of a block holding ``payload`` under ``key``."""
+    header = HEADER.pack(MAGIC, len(payload), xxhash.xxh3_64_intdigest(payload), len(key))
+    return (header + key).ljust(HEADER_AREA, b"\0")
+
+
+def header_matches(header: bytes, key: OffloadKey, payload: memoryview) -> bool:
+    """True when ``header`` describes ``payload`` stored under ``key``, checksum included."""
+    if len(header) != HEADER_AREA:
+        return False
+    magic, length, digest, key_len = HEADER.unpack_from(header)
+    return (
+        magic == MAGIC
+        and length == len(payload)
+        and key_len == len(key)
+        and header[HEADER.size : HEADER.size + key_len] == key
+        and xxhash.xxh3_64_intdigest(payload) == digest
+    )
+
+
+def _key_from_hex(stem: str) -> OffloadKey | None:
     try:
         key = bytes.fromhex(stem)
     except ValueError:
@@ -85,170 +120,434 @@ def _key_from_name(name: str) -> OffloadKey | None:
     return OffloadKey(key) if len(key) > 4 and key.hex() == stem else None
 
 
-class _Found(NamedTuple):
-    key: OffloadKey
-    mtime: float
+def _is_hex_id(stem: str) -> bool:
+    return len(stem) == 32 and all(c in "0123456789abcdef" for c in stem)
 
 
-class _LocalIo:
-    """One file per block with ``os`` calls (the local fast path).
+def _write_fully(fd: int, data: bytes | memoryview, offset: int) -> None:
+    view = memoryview(data).cast("B")
+    while view:
+        written = os.pwrite(fd, view, offset)
+        offset += written
+        view = view[written:]
 
-    Every instance writes inside a work directory of its own (``work/<id>/``, held with an
-    exclusive ``flock`` while it lives): a block is written there, then renamed into place.
-    Evicted and deleted block files are not unlinked but renamed back into that directory and
-    reused for the next writes: overwriting an allocated file runs at page-cache speed, where
-    filling a new file pays for fresh allocation (measured 6.5 GB/s against 0.4 GB/s for 2 MiB
-    blocks; docs/tiers.md). Work directories of instances that died (their lock is free) are
-    removed at start-up, with whatever a crash left half-written in them.
+
+def _oserror(exc: OSError) -> str:
+    return f"{type(exc).__name__}: {exc.strerror or exc}"
+
+
+class _Slab:
+    """One slab file this instance owns (its ``flock`` held while open)."""
+
+    __slots__ = ("fd", "free", "name", "path", "slots")
+
+    def __init__(self, name: str, path: str, fd: int, slots: int, used: Iterable[int]) -> None:
+        self.name = name
+        self.path = path
+        self.fd = fd
+        self.slots = slots
+        taken = set(used)
+        # popped from the end: ascending slot order while the slab fills
+        self.free = [s for s in range(slots - 1, -1, -1) if s not in taken]
+
+
+class _SlabIo:
+    """Local files: positional IO into preallocated slab files, published through a shared
+    SQLite index (WAL mode). See the module docstring for ownership, crash safety and
+    sharing.
+
+    ``slot_size`` is a whole block (header area and payload). New slabs are created only when
+    every owned slot is taken and fewer than ``max_slots`` exist.
     """
 
-    POOL_MAX = 256
-
-    def __init__(self, root: str) -> None:
+    def __init__(self, root: str, slot_size: int, max_slots: int, *, fsync: bool) -> None:
         self.root = root
-        self.work_root = os.path.join(root, "work")
-        self.tmp = os.path.join(self.work_root, uuid.uuid4().hex)
-        self._dirs: set[str] = set()
-        self._pool: list[str] = []
-        self._pool_lock = threading.Lock()
-        self._lock_fd: int | None = None
+        self.slab_dir = os.path.join(root, "slabs")
+        self.slot_size = slot_size
+        self.max_slots = max_slots
+        self.per_slab = max(1, min(max_slots, SLAB_BYTES // slot_size))
+        self.fsync = fsync
+        self._lock = threading.Lock()  # slabs, free lists, _where, foreign fds
+        self._db_lock = threading.Lock()
+        self._db: sqlite3.Connection | None = None
+        self._slabs: dict[str, _Slab] = {}
+        self._where: dict[OffloadKey, tuple[_Slab, int]] = {}
+        self._foreign_fds: dict[str, int] = {}
+        self._adopted: list[tuple[OffloadKey, float]] = []
+        self._foreign = 0
+        self._unpublished: list[tuple[OffloadKey, str]] = []  # rows of freed slots
+        self._rebuilt = False  # the index was unreadable: adopted slabs are scanned
 
+    # -- start-up ------------------------------------------------------------------------
     def prepare(self) -> None:
-        os.makedirs(self.tmp, mode=0o700, exist_ok=True)
-        self._lock_fd = os.open(os.path.join(self.tmp, ".lock"), os.O_RDWR | os.O_CREAT, 0o600)
-        fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        for shard in range(256):  # once, so writes never pay for a mkdir
-            directory = os.path.join(self.root, f"{shard:02x}")
-            os.makedirs(directory, mode=0o700, exist_ok=True)
-            self._dirs.add(directory)
-        for name in os.listdir(self.work_root):
-            other = os.path.join(self.work_root, name)
-            if other != self.tmp and _owner_is_gone(other):
-                shutil.rmtree(other, ignore_errors=True)  # a dead instance's leftovers
-
-    def close(self) -> None:
-        shutil.rmtree(self.tmp, ignore_errors=True)
-        if self._lock_fd is not None:
-            os.close(self._lock_fd)
-            self._lock_fd = None
-
-    def take(self) -> tuple[str, bool]:
-        """A file to write a block into: a recycled one (True) or a new name (False)."""
-        with self._pool_lock:
-            if self._pool:
-                return self._pool.pop(), True
-        return os.path.join(self.tmp, uuid.uuid4().hex), False
-
-    def recycle(self, path: str) -> None:
-        """Retire a block file: keep it for reuse (it stops being readable at once)."""
-        with self._pool_lock:
-            full = len(self._pool) >= self.POOL_MAX
-        if full:
-            self.remove(path)
-            return
-        spare = os.path.join(self.tmp, uuid.uuid4().hex)
+        os.makedirs(self.root, mode=0o700, exist_ok=True)  # the namespace directory
+        os.makedirs(self.slab_dir, mode=0o700, exist_ok=True)
         try:
-            os.replace(path, spare)
+            self._db = self._open_index()
+            self._query("SELECT count(*) FROM blocks", ())  # reads every page header
+        except sqlite3.DatabaseError as exc:
+            # unreadable (a power loss without fsync, a damaged disk): start a new index and
+            # recover this instance's blocks from the headers of the slabs it adopts
+            log.warning("tier_index_rebuilt", root=self.root, error=str(exc)[:200])
+            if self._db is not None:
+                self._db.close()
+            for suffix in ("", "-wal", "-shm"):
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(os.path.join(self.root, INDEX + suffix))
+            self._db = self._open_index()
+            self._rebuilt = True
+        known = {"config.json", INDEX, INDEX + "-wal", INDEX + "-shm", "slabs"}
+        self._foreign = sum(1 for name in os.listdir(self.root) if name not in known)
+        for name in sorted(os.listdir(self.slab_dir)):
+            stem, _, ext = name.partition(".")
+            if not _is_hex_id(stem) or ext not in ("slab", "new"):
+                self._foreign += 1
+                continue
+            self._adopt(stem, os.path.join(self.slab_dir, name), ext == "new")
+
+    def _open_index(self) -> sqlite3.Connection:
+        path = os.path.join(self.root, INDEX)
+        os.close(os.open(path, os.O_RDWR | os.O_CREAT, 0o600))  # SQLite's files inherit 0600
+        db = sqlite3.connect(path, timeout=30, isolation_level=None, check_same_thread=False)
+        db.execute("PRAGMA journal_mode=WAL")
+        # without fsync, SQLite need not sync either: a process crash keeps every committed
+        # transaction (the WAL is in the page cache); a power loss may cost the index, which
+        # is then rebuilt from the slab headers
+        db.execute(f"PRAGMA synchronous={'NORMAL' if self.fsync else 'OFF'}")
+        db.execute(
+            "CREATE TABLE IF NOT EXISTS blocks (key BLOB NOT NULL, slab TEXT NOT NULL, "
+            "slot INTEGER NOT NULL, stored REAL NOT NULL, PRIMARY KEY (key, slab)) WITHOUT ROWID"
+        )
+        db.execute("CREATE INDEX IF NOT EXISTS blocks_by_slab ON blocks (slab, slot)")
+        return db
+
+    def _scan(self, name: str, fd: int, slots: int) -> list[tuple[OffloadKey, int, float]]:
+        """Blocks whose header looks whole in each slot of a slab (payloads are verified when
+        read), written back to the index."""
+        stored = os.fstat(fd).st_mtime
+        payload = self.slot_size - HEADER_AREA
+        found: list[tuple[OffloadKey, int, float]] = []
+        for slot in range(slots):
+            header = os.pread(fd, HEADER.size + 255, slot * self.slot_size)
+            if len(header) < HEADER.size:
+                break
+            magic, length, _, key_len = HEADER.unpack_from(header)
+            key = header[HEADER.size : HEADER.size + key_len]
+            if magic == MAGIC and length == payload and 4 < key_len == len(key):
+                found.append((OffloadKey(key), slot, stored))
+        self._commit([(key, name, slot, t) for key, slot, t in found])
+        return found
+
+    def _adopt(self, name: str, path: str, unfinished: bool) -> None:
+        """Take over a dead instance's slab (its lock is free) with the blocks it holds."""
+        try:
+            fd = os.open(path, os.O_RDWR)
         except FileNotFoundError:
             return
-        with self._pool_lock:
-            self._pool.append(spare)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            os.close(fd)  # a live instance's
+            return
+        slots = os.fstat(fd).st_size // self.slot_size
+        if unfinished or slots == 0:  # a crash while creating it: it never held a block
+            os.unlink(path)
+            os.close(fd)
+            return
+        if self._rebuilt:
+            held = self._scan(name, fd, slots)
+        else:
+            rows = self._query("SELECT key, slot, stored FROM blocks WHERE slab = ?", (name,))
+            held = [(OffloadKey(bytes(k)), s, t) for k, s, t in rows if 0 <= s < slots]
+        slab = _Slab(name, path, fd, slots, (s for _, s, _ in held))
+        self._slabs[name] = slab
+        for key, slot, stored in held:
+            self._where[key] = (slab, slot)
+            self._adopted.append((key, stored))
 
-    def ensure_dir(self, path: str) -> None:
-        directory = os.path.dirname(path)
-        if directory not in self._dirs:
-            os.makedirs(directory, mode=0o700, exist_ok=True)
-            self._dirs.add(directory)
+    def inventory(self) -> tuple[list[tuple[OffloadKey, float]], int]:
+        """Blocks adopted at start-up with their store time, and foreign entries seen."""
+        return self._adopted, self._foreign
 
     def write_config(self, name: str, data: bytes) -> bytes | None:
         path = os.path.join(self.root, name)
+        tmp = f"{path}.{uuid.uuid4().hex}"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         try:
-            with open(path, "rb") as existing:
-                return existing.read()
-        except FileNotFoundError:
-            self.write_atomic(path, [data])
-            return None
-
-    def write_atomic(self, path: str, parts: Sequence[bytes | memoryview]) -> None:
-        self.ensure_dir(path)
-        tmp, recycled = self.take()
-        flags = os.O_WRONLY if recycled else os.O_WRONLY | os.O_CREAT | os.O_EXCL
-        fd = os.open(tmp, flags, 0o600)
-        try:
-            offset = 0
-            for part in parts:
-                view = memoryview(part).cast("B")
-                while view:
-                    written = os.pwrite(fd, view, offset)
-                    offset += written
-                    view = view[written:]
-            if recycled and os.fstat(fd).st_size != offset:
-                os.ftruncate(fd, offset)
-        except BaseException:
-            os.close(fd)
-            os.unlink(tmp)
-            raise
-        os.close(fd)
-        os.replace(tmp, path)
-
-    def read_into(self, path: str, header_size: int, view: memoryview) -> bytes | None:
-        """The header, with the payload read straight into ``view``: ``None`` if the file is
-        missing, ``b""`` if its size is not exactly header plus payload (truncated, foreign)."""
-        try:
-            fd = os.open(path, os.O_RDONLY)
-        except FileNotFoundError:
-            return None
-        try:
-            header = os.read(fd, header_size)
-            if len(header) != header_size or os.readv(fd, [view]) != len(view):
-                return b""
-            if os.read(fd, 1):
-                return b""
+            _write_fully(fd, data, 0)
         finally:
             os.close(fd)
-        return header
+        try:
+            os.link(tmp, path)  # atomic create-if-absent
+        except FileExistsError:
+            with open(path, "rb") as existing:
+                return existing.read()
+        finally:
+            os.unlink(tmp)
+        return None
 
-    def remove(self, path: str) -> None:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(path)
+    # -- slots ---------------------------------------------------------------------------
+    def _allocate(self) -> tuple[_Slab, int]:
+        with self._lock:
+            for slab in self._slabs.values():
+                if slab.free:
+                    return slab, slab.free.pop()
+            total = sum(s.slots for s in self._slabs.values())
+            if total >= self.max_slots:
+                raise OSError(28, "every slot of this tier is taken")
+            return self._new_slab(min(self.per_slab, self.max_slots - total))
 
-    def write_many(self, items: list[tuple[str, list[bytes | memoryview]]]) -> list[str | None]:
-        errors: list[str | None] = []
-        for path, parts in items:
+    def _new_slab(self, slots: int) -> tuple[_Slab, int]:
+        name = uuid.uuid4().hex
+        path = os.path.join(self.slab_dir, name + ".slab")
+        building = os.path.join(self.slab_dir, name + ".new")
+        fd = os.open(building, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            os.posix_fallocate(fd, 0, slots * self.slot_size)
+            os.rename(building, path)  # the lock stays with the open file
+        except BaseException:
+            os.close(fd)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(building)
+            raise
+        slab = _Slab(name, path, fd, slots, ())
+        self._slabs[name] = slab
+        return slab, slab.free.pop()
+
+    def _release(self, slab: _Slab, slot: int) -> None:
+        with self._lock:
+            slab.free.append(slot)
+
+    # -- index ---------------------------------------------------------------------------
+    def _query(self, sql: str, args: Sequence[Any]) -> list[Any]:
+        assert self._db is not None
+        with self._db_lock:
+            return self._db.execute(sql, args).fetchall()
+
+    def _commit(self, inserts: list[tuple[Any, ...]]) -> None:
+        """One transaction: the removals queued so far, then ``inserts``."""
+        assert self._db is not None
+        with self._lock:
+            deletes, self._unpublished = self._unpublished, []
+        try:
+            with self._db_lock:
+                db = self._db
+                db.execute("BEGIN IMMEDIATE")
+                try:
+                    db.executemany("DELETE FROM blocks WHERE key = ? AND slab = ?", deletes)
+                    db.executemany("INSERT OR REPLACE INTO blocks VALUES (?, ?, ?, ?)", inserts)
+                except BaseException:
+                    db.execute("ROLLBACK")
+                    raise
+                db.execute("COMMIT")
+        except BaseException:
+            with self._lock:  # retried with the next transaction
+                self._unpublished[:0] = deletes
+            raise
+
+    def _lookup(self, keys: list[OffloadKey]) -> dict[OffloadKey, tuple[str, int]]:
+        """Where other instances hold ``keys``, from the shared index."""
+        found: dict[OffloadKey, tuple[str, int]] = {}
+        for start in range(0, len(keys), _SQL_VARS):
+            batch = keys[start : start + _SQL_VARS]
+            marks = ",".join("?" * len(batch))
+            sql = f"SELECT key, slab, slot FROM blocks WHERE key IN ({marks})"
+            for key, slab, slot in self._query(sql, batch):
+                found.setdefault(OffloadKey(bytes(key)), (slab, slot))
+        return found
+
+    # -- IO ------------------------------------------------------------------------------
+    def write_many(self, items: list[tuple[OffloadKey, bytes, memoryview]]) -> list[str | None]:
+        errors: list[str | None] = [None] * len(items)
+        placed: list[tuple[int, OffloadKey, _Slab, int]] = []
+        for i, (key, _, _) in enumerate(items):
             try:
-                self.write_atomic(path, parts)
-                errors.append(None)
+                slab, slot = self._allocate()
             except OSError as exc:
-                errors.append(f"{type(exc).__name__}: {exc.strerror or exc}")
+                errors[i] = _oserror(exc)
+                continue
+            placed.append((i, key, slab, slot))
+        written = self._write_blocks(
+            [
+                (slab.fd, slot * self.slot_size, items[i][1], items[i][2])
+                for i, _, slab, slot in placed
+            ]
+        )
+        done: list[tuple[int, OffloadKey, _Slab, int]] = []
+        for entry, error in zip(placed, written, strict=True):
+            if error is None:
+                done.append(entry)
+            else:
+                errors[entry[0]] = error
+                self._release(entry[2], entry[3])
+        if done:
+            try:
+                if self.fsync:
+                    for fd in {slab.fd for _, _, slab, _ in done}:
+                        os.fdatasync(fd)
+                now = time.time()
+                self._commit([(key, slab.name, slot, now) for _, key, slab, slot in done])
+            except (OSError, sqlite3.Error) as exc:
+                text = _oserror(exc) if isinstance(exc, OSError) else f"index: {exc}"
+                for i, _, slab, slot in done:
+                    errors[i] = text
+                    self._release(slab, slot)
+                return errors
+            with self._lock:
+                for _, key, slab, slot in done:
+                    self._where[key] = (slab, slot)
         return errors
 
-    def read_many(self, items: list[tuple[str, int, memoryview]]) -> list[bytes | None]:
-        return [self.read_into(path, size, view) for path, size, view in items]
+    def _write_blocks(self, blocks: list[tuple[int, int, bytes, memoryview]]) -> list[str | None]:
+        """Write each (fd, offset, header, payload): payload first, header last."""
+        errors: list[str | None] = []
+        for fd, offset, header, payload in blocks:
+            try:
+                _write_fully(fd, payload, offset + HEADER_AREA)
+                _write_fully(fd, header, offset)
+                errors.append(None)
+            except OSError as exc:
+                errors.append(_oserror(exc))
+        return errors
 
-    def exists_many(self, paths: list[str]) -> set[str]:
-        return {p for p in paths if os.path.exists(p)}
+    def _locate(self, keys: list[OffloadKey]) -> list[tuple[int, int] | None]:
+        """(fd, offset) of each key: owned blocks first, then other instances' slabs."""
+        out: list[tuple[int, int] | None] = []
+        missing: list[OffloadKey] = []
+        with self._lock:
+            for key in keys:
+                where = self._where.get(key)
+                if where is None:
+                    missing.append(key)
+                    out.append(None)
+                else:
+                    out.append((where[0].fd, where[1] * self.slot_size))
+        if missing:
+            elsewhere = self._lookup(missing)
+            for i, key in enumerate(keys):
+                if out[i] is None and key in elsewhere:
+                    slab, slot = elsewhere[key]
+                    fd = self._foreign_fd(slab)
+                    if fd is not None:
+                        out[i] = (fd, slot * self.slot_size)
+        return out
 
-    def walk(self) -> Iterator[tuple[str, int, float]]:
-        for dirpath, dirnames, filenames in os.walk(self.root):
-            if dirpath == self.work_root:
-                dirnames[:] = []
-                continue
-            for name in filenames:
+    def _foreign_fd(self, slab: str) -> int | None:
+        with self._lock:
+            fd = self._foreign_fds.get(slab)
+            if fd is None and slab in self._slabs:
+                return self._slabs[slab].fd
+            if fd is None and _is_hex_id(slab):
                 try:
-                    st = os.stat(os.path.join(dirpath, name))
+                    fd = os.open(os.path.join(self.slab_dir, slab + ".slab"), os.O_RDONLY)
                 except FileNotFoundError:
-                    continue
-                yield os.path.join(dirpath, name), st.st_size, st.st_mtime
+                    return None
+                self._foreign_fds[slab] = fd
+            return fd
+
+    def read_many(self, items: list[tuple[OffloadKey, memoryview]]) -> list[bytes | None]:
+        places = self._locate([key for key, _ in items])
+        return self._read_blocks(
+            [(place, view) for place, (_, view) in zip(places, items, strict=True)]
+        )
+
+    def _read_blocks(
+        self, blocks: list[tuple[tuple[int, int] | None, memoryview]]
+    ) -> list[bytes | None]:
+        """The header area of each block, its payload read into the view; ``None`` if it is
+        not in the index, ``b""`` for a short read."""
+        out: list[bytes | None] = []
+        for place, view in blocks:
+            if place is None:
+                out.append(None)
+                continue
+            fd, offset = place
+            header = os.pread(fd, HEADER_AREA, offset)
+            if len(header) != HEADER_AREA or os.preadv(fd, [view], offset + HEADER_AREA) != len(
+                view
+            ):
+                out.append(b"")
+            else:
+                out.append(header)
+        return out
+
+    def invalid(self, key: OffloadKey) -> bool:
+        """``key`` failed verification: drop it if this instance owns it (True); a block
+        another instance owns, or one already gone, is left alone (False)."""
+        with self._lock:
+            if key not in self._where:
+                return False
+        self.remove_many([key])
+        return True
+
+    def remove_many(self, keys: Sequence[OffloadKey], *, defer: bool = False) -> None:
+        """Free the slots of ``keys`` this instance owns. Their index rows go with the next
+        transaction when ``defer`` (a put that reuses the slots publishes right after),
+        otherwise now. A reader sent to a reused slot by a stale row finds another key's
+        header there: a miss, never wrong bytes."""
+        with self._lock:
+            for key in keys:
+                where = self._where.pop(key, None)
+                if where is not None:
+                    slab, slot = where
+                    # unmark the header before the slot can be reused: a rebuilt index
+                    # never brings a removed block back
+                    with contextlib.suppress(OSError):
+                        os.pwrite(slab.fd, bytes(len(MAGIC)), slot * self.slot_size)
+                    slab.free.append(slot)
+                    self._unpublished.append((key, slab.name))
+            if defer or not self._unpublished:
+                return
+        self._commit([])
+
+    def exists_many(self, keys: list[OffloadKey]) -> set[OffloadKey]:
+        with self._lock:
+            found = {k for k in keys if k in self._where}
+        rest = [k for k in keys if k not in found]
+        return found | set(self._lookup(rest)) if rest else found
+
+    def location(self, key: OffloadKey) -> Located:
+        with self._lock:
+            where = self._where.get(key)
+        if where is not None:
+            return where[0].path, where[1] * self.slot_size
+        found = self._lookup([key])
+        if key not in found:
+            raise KeyError(key.hex())
+        slab, slot = found[key]
+        return os.path.join(self.slab_dir, slab + ".slab"), slot * self.slot_size
+
+    def close(self) -> None:
+        if self._db is not None and self._unpublished:
+            with contextlib.suppress(sqlite3.Error):
+                self._commit([])
+        with self._lock:
+            for fd in self._foreign_fds.values():
+                os.close(fd)
+            for slab in self._slabs.values():
+                os.close(slab.fd)  # releases the lock: a later instance may adopt it
+            self._foreign_fds.clear()
+            self._slabs.clear()
+            self._where.clear()
+        if self._db is not None:
+            with self._db_lock:
+                self._db.close()
+            self._db = None
 
 
-class _FsspecIo:
-    """IO through any fsspec filesystem. Object stores get one concurrent batch of requests
-    per job (``pipe``/``cat`` of many paths) and existence probes by listing where a listing
-    is cheaper than one request per key."""
+class _ObjectIo:
+    """One object per block through any fsspec filesystem. Object stores get one concurrent
+    batch of requests per job (``pipe``/``cat`` of many paths) and existence probes by
+    listing where a listing is cheaper than one request per key."""
 
     def __init__(self, fs: Any, root: str) -> None:
         self.fs = fs
         self.root = root
+
+    def path(self, key: OffloadKey) -> str:
+        h = key.hex()
+        return f"{self.root}/{h[:2]}/{h}{SUFFIX}"
 
     def prepare(self) -> None:
         bucket = self.root.split("/", 1)[0]
@@ -262,44 +561,79 @@ class _FsspecIo:
         self.fs.pipe_file(path, data)
         return None
 
-    def write_many(self, items: list[tuple[str, list[bytes | memoryview]]]) -> list[str | None]:
+    def inventory(self) -> tuple[list[tuple[OffloadKey, float]], int]:
+        found: list[tuple[OffloadKey, float]] = []
+        foreign = 0
+        for path, mtime in self._walk():
+            name = path.rsplit("/", 1)[-1]
+            if name == "config.json":
+                continue
+            key = _key_from_hex(name[: -len(SUFFIX)]) if name.endswith(SUFFIX) else None
+            if key is None or path != self.path(key):
+                foreign += 1
+                continue
+            found.append((key, mtime))
+        return found, foreign
+
+    def _walk(self) -> Iterable[tuple[str, float]]:
+        try:
+            listing = self.fs.find(self.root, detail=True)
+        except FileNotFoundError:
+            return
+        for path, info in listing.items():
+            mtime = info.get("mtime") or info.get("LastModified") or 0.0
+            if hasattr(mtime, "timestamp"):
+                mtime = mtime.timestamp()
+            yield path, float(mtime)
+
+    def write_many(self, items: list[tuple[OffloadKey, bytes, memoryview]]) -> list[str | None]:
         if not items:
             return []
-        payload = {path: b"".join(bytes(p) for p in parts) for path, parts in items}
+        payload = {self.path(key): header + bytes(view) for key, header, view in items}
         try:
             self.fs.pipe(payload)
         except Exception as exc:
             # the batch is all or nothing from here: find out what actually landed
             error = f"{type(exc).__name__}: {_safe(exc)}"
             try:
-                landed = self.exists_many(list(payload))
+                landed = self.exists_many([key for key, _, _ in items])
             except Exception:
                 landed = set()
-            return [None if path in landed else error for path, _ in items]
+            return [None if key in landed else error for key, _, _ in items]
         return [None] * len(items)
 
-    def read_many(self, items: list[tuple[str, int, memoryview]]) -> list[bytes | None]:
+    def read_many(self, items: list[tuple[OffloadKey, memoryview]]) -> list[bytes | None]:
         if not items:
             return []
-        got = self.fs.cat([path for path, _, _ in items], on_error="return")
+        paths = [self.path(key) for key, _ in items]
+        got = self.fs.cat(paths, on_error="return")
         out: list[bytes | None] = []
-        for path, header_size, view in items:
+        for path, (_, view) in zip(paths, items, strict=True):
             data = got.get(path)
             if data is None or isinstance(data, FileNotFoundError):
                 out.append(None)
             elif isinstance(data, BaseException):
                 raise data
-            elif len(data) != header_size + len(view):
+            elif len(data) != HEADER_AREA + len(view):
                 out.append(b"")
             else:
-                view[:] = data[header_size:]
-                out.append(bytes(data[:header_size]))
+                view[:] = data[HEADER_AREA:]
+                out.append(bytes(data[:HEADER_AREA]))
         return out
 
-    def exists_many(self, paths: list[str]) -> set[str]:
+    def invalid(self, key: OffloadKey) -> bool:
+        """A block failed verification: delete it (True)."""
+        self.remove_many([key])
+        return True
+
+    def exists_many(self, keys: list[OffloadKey]) -> set[OffloadKey]:
+        by_path = {self.path(k): k for k in keys}
+        return {by_path[p] for p in self._exists_paths(list(by_path))}
+
+    def _exists_paths(self, paths: list[str]) -> set[str]:
         by_prefix: dict[str, list[str]] = {}
         for path in paths:
-            by_prefix.setdefault(path.rsplit("/", 2)[0], []).append(path)
+            by_prefix.setdefault(path.rsplit("/", 1)[0], []).append(path)
         found: set[str] = set()
         for prefix, wanted in by_prefix.items():
             if len(wanted) > 1:  # one LIST answers every key under this shard
@@ -312,20 +646,16 @@ class _FsspecIo:
                 found.update(p for p in wanted if self.fs.exists(p))
         return found
 
-    def remove(self, path: str) -> None:
-        with contextlib.suppress(FileNotFoundError):
-            self.fs.rm_file(path)
+    def remove_many(self, keys: Sequence[OffloadKey], *, defer: bool = False) -> None:
+        for key in keys:
+            with contextlib.suppress(FileNotFoundError):
+                self.fs.rm_file(self.path(key))
 
-    def walk(self) -> Iterator[tuple[str, int, float]]:
-        try:
-            listing = self.fs.find(self.root, detail=True)
-        except FileNotFoundError:
-            return
-        for path, info in listing.items():
-            mtime = info.get("mtime") or info.get("LastModified") or 0.0
-            if hasattr(mtime, "timestamp"):
-                mtime = mtime.timestamp()
-            yield path, int(info.get("size", 0)), float(mtime)
+    def location(self, key: OffloadKey) -> Located:
+        return self.path(key), 0
+
+    def close(self) -> None:
+        """Nothing held."""
 
 
 class FsspecTierStore:
@@ -339,7 +669,8 @@ class FsspecTierStore:
         namespace: what makes blocks compatible (model, geometry, dtype, ...).
         medium, locality: announced in events.
         io_threads: concurrent IO operations.
-        fsync: fsync each block before publishing it (local files only).
+        fsync: flush each job's blocks to the device before publishing them (local files
+            only; without it a power loss can lose recent blocks, never tear one).
         storage_options: passed to fsspec (credentials never reach logs or events).
 
     Raises:
@@ -358,6 +689,7 @@ class FsspecTierStore:
         medium: Medium = Medium.STORAGE,
         locality: Locality | None = Locality.LOCAL,
         io_threads: int = 8,
+        fsync: bool = False,
         storage_options: Mapping[str, Any] | None = None,
     ) -> None:
         import fsspec
@@ -368,6 +700,7 @@ class FsspecTierStore:
         self._host = host
         self._identity = TierIdentity(medium, locality, name)
         self.capacity_bytes = capacity_bytes
+        self._fsync = fsync
         ns = dict(namespace or {})
         ns.setdefault("slot_bytes", host.slot_bytes)
         self.namespace = ns
@@ -404,28 +737,24 @@ class FsspecTierStore:
 
     def _make_io(self, fs: Any, base: str) -> Any:
         """The IO strategy for this filesystem (subclasses move the data path elsewhere)."""
-        return _LocalIo(base) if "file" in _protocols(fs) else _FsspecIo(fs, base)
+        if "file" in _protocols(fs):
+            return _SlabIo(base, *self._slab_geometry(), fsync=self._fsync)
+        return _ObjectIo(fs, base)
+
+    def _slab_geometry(self) -> tuple[int, int]:
+        """Bytes per slab slot (one block) and how many slots the capacity allows."""
+        size = HEADER_AREA + self._host.slot_bytes
+        return size, max(1, self.capacity_bytes // size)
 
     # -- start-up ------------------------------------------------------------------------
     def _recover(self) -> None:
-        found: list[_Found] = []
-        for path, _size, mtime in self._io.walk():
-            name = path.rsplit("/", 1)[-1]
-            if name == "config.json":
-                continue
-            key = _key_from_name(name)
-            if key is None or path != self._path(key):
-                self.foreign_files += 1
-                continue
-            found.append(_Found(key, mtime))
-        found.sort(key=lambda f: f.mtime)
-        for f in found:
-            size = self._size(f.key)  # what a write of it costs here, whatever the listing says
-            self._index[f.key] = size
+        found, self.foreign_files = self._io.inventory()
+        for key, _ in sorted(found, key=lambda f: f[1]):
+            size = self._size(key)  # what a write of it costs here, whatever was recorded
+            self._index[key] = size
             self._used += size
         evicted = self._evict_to(self.capacity_bytes, protected=set())
-        for key in evicted:
-            self._io.remove(self._path(key))
+        self._io.remove_many(evicted)
         if self._index:
             self._events.append(Stored(tuple(self._index), self._identity, None))
         if found or self.foreign_files:
@@ -436,10 +765,6 @@ class FsspecTierStore:
                 evicted=len(evicted),
                 foreign_files=self.foreign_files,
             )
-
-    def _path(self, key: OffloadKey) -> str:
-        h = key.hex()
-        return f"{self.root}/{h[:2]}/{h}{SUFFIX}"
 
     def _evict_to(self, limit: int, protected: set[OffloadKey]) -> list[OffloadKey]:
         victims: list[OffloadKey] = []
@@ -483,9 +808,8 @@ class FsspecTierStore:
             self._events.append(Removed(tuple(victims), self._identity))
         self._used += need
         self._writing.update(k for k, _ in new)
-        paths = [self._path(v) for v in victims]
         before = [self._deleting[k] for k, _ in new if k in self._deleting]
-        future = self._pool.submit(self._do_put, new, paths, before)
+        future = self._pool.submit(self._do_put, new, victims, before)
         for victim in victims:
             self._deleting[victim] = future
         self._pending.append((job, time.perf_counter(), future))
@@ -530,9 +854,8 @@ class FsspecTierStore:
             self._used -= self._index.pop(key)
         if gone:
             self._events.append(Removed(tuple(gone), self._identity))
-            paths = [self._path(k) for k in gone]
             if not self._closed:
-                future = self._pool.submit(self._remove_all, paths)
+                future = self._pool.submit(self._remove_all, gone)
                 for key in gone:
                     self._deleting[key] = future
 
@@ -563,9 +886,13 @@ class FsspecTierStore:
         """Blocks this tier knows, least recently used first."""
         return list(self._index)
 
-    def path_of(self, key: OffloadKey) -> str:
-        """Where ``key``'s block lives."""
-        return self._path(key)
+    def location(self, key: OffloadKey) -> tuple[str, int]:
+        """Where ``key``'s block lives: a file or object path and the offset of its header.
+
+        Raises:
+            KeyError: no instance on this root holds ``key``.
+        """
+        return self._io.location(key)  # type: ignore[no-any-return]
 
     @property
     def used_bytes(self) -> int:
@@ -669,18 +996,16 @@ class FsspecTierStore:
     def _do_put(
         self,
         items: list[tuple[OffloadKey, int]],
-        victims: list[str],
+        victims: list[OffloadKey],
         before: list[cf.Future[Any]],
     ) -> tuple[list[OffloadKey], str | None]:
         # deletions of these keys were submitted earlier, so they already hold a thread
         cf.wait(before)
-        self._remove_all(victims)
-        writes: list[tuple[str, list[bytes | memoryview]]] = []
+        self._remove_all(victims, defer=True)  # published with this job's blocks
+        writes = []
         for key, slot in items:
             view = self._host.slot_view(slot)
-            header = HEADER.pack(MAGIC, len(view), xxhash.xxh3_64_intdigest(view), len(key))
-            header = (header + key).ljust(HEADER_AREA, b"\0")
-            writes.append((self._path(key), [header, view]))
+            writes.append((key, pack_header(key, view), view))
         errors = self._io.write_many(writes)
         written = [key for (key, _), err in zip(items, errors, strict=True) if err is None]
         error = next((err for err in errors if err is not None), None)
@@ -689,61 +1014,37 @@ class FsspecTierStore:
     def _do_get(
         self, items: list[tuple[OffloadKey, int]]
     ) -> tuple[list[OffloadKey], list[OffloadKey], list[OffloadKey]]:
-        reads = [(self._path(key), HEADER_AREA, self._host.slot_view(slot)) for key, slot in items]
+        reads = [(key, self._host.slot_view(slot)) for key, slot in items]
         headers = self._io.read_many(reads)
         ok: list[OffloadKey] = []
         corrupt: list[OffloadKey] = []
         vanished: list[OffloadKey] = []
-        for (key, _), (path, size, view), header in zip(items, reads, headers, strict=True):
+        for (key, view), header in zip(reads, headers, strict=True):
             if header is None:
                 vanished.append(key)
-                continue
-            if len(header) != size or not self._valid(header, key, view):
+            elif header_matches(header, key, view):
+                ok.append(key)
+            elif self._io.invalid(key):
                 corrupt.append(key)
-                self._io.remove(path)
-                continue
-            ok.append(key)
+            else:  # rewritten under the read, or another instance's: not ours to drop
+                vanished.append(key)
         return ok, corrupt, vanished
-
-    @staticmethod
-    def _valid(header: bytes, key: OffloadKey, view: memoryview) -> bool:
-        magic, length, crc, key_len = HEADER.unpack_from(header)
-        return (
-            magic == MAGIC
-            and length == len(view)
-            and key_len == len(key)
-            and header[HEADER.size : HEADER.size + key_len] == key
-            and xxhash.xxh3_64_intdigest(view) == crc
-        )
 
     def _do_probe(
         self, known: frozenset[OffloadKey], unknown: list[OffloadKey]
     ) -> frozenset[OffloadKey]:
-        paths = {self._path(k): k for k in unknown}
-        return known | frozenset(paths[p] for p in self._io.exists_many(list(paths)))
+        return known | frozenset(self._io.exists_many(unknown))
 
-    def _remove_all(self, paths: list[str]) -> None:
-        retire = getattr(self._io, "recycle", self._io.remove)
-        for path in paths:
-            try:
-                retire(path)
-            except Exception as exc:
-                log.warning("tier_remove_failed", tier=self._identity.ownership, error=_safe(exc))
-
-
-def _owner_is_gone(work_dir: str) -> bool:
-    """True when no live instance holds ``work_dir``'s lock."""
-    try:
-        fd = os.open(os.path.join(work_dir, ".lock"), os.O_RDWR)
-    except OSError:
-        return True
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
-        return False
-    finally:
-        os.close(fd)
-    return True
+    def _remove_all(self, keys: list[OffloadKey], *, defer: bool = False) -> None:
+        if not keys:
+            return
+        try:
+            if defer:
+                self._io.remove_many(keys, defer=True)
+            else:
+                self._io.remove_many(keys)
+        except Exception as exc:
+            log.warning("tier_remove_failed", tier=self._identity.ownership, error=_safe(exc))
 
 
 def _protocols(fs: Any) -> tuple[str, ...]:

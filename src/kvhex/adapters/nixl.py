@@ -7,8 +7,9 @@ only the data path differs: block payloads go host slot -> file or object and ba
 transfers, one transfer per job with one descriptor per block (kept under 1 GiB, NIXL's
 POSIX backend fails transfers of 2 GiB).
 
-* POSIX: a block file is written under ``tmp/`` (header with ``os.pwrite``, payload by NIXL
-  at the header's end) and renamed into place, so no torn block is ever readable.
+* POSIX: blocks live in the fsspec tier's slab files; NIXL writes each payload at its slot
+  (one transfer per job), then the header is written and the job's blocks are published in
+  the shared index, so no torn block is ever found.
 * OBJ: each block is two objects, the payload (written by NIXL) and then its header
   (``<block>.hdr``: checksum and key, written by NIXL from a small staging buffer). The header
   is written last, so a block exists only once both are complete. Listing and deletes, which
@@ -26,10 +27,11 @@ import os
 import threading
 import time
 import uuid
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
-from kvhex.adapters.fsspec import FsspecTierStore, _FsspecIo, _LocalIo
+from kvhex.adapters.fsspec import HEADER_AREA, FsspecTierStore, _ObjectIo, _SlabIo
+from kvhex.domain.keys import OffloadKey
 from kvhex.domain.tiers import Locality, Medium
 from kvhex.ports.host_buffer import HostBuffer
 
@@ -110,81 +112,58 @@ def _chunks(items: list[Any], size_of: Any) -> Iterator[list[Any]]:
         yield batch
 
 
-class _NixlPosixIo(_LocalIo):
-    """Local block files whose payload NIXL's POSIX backend writes and reads."""
+class _NixlPosixIo(_SlabIo):
+    """Slab files whose payloads NIXL's POSIX backend writes and reads (headers with
+    ``os.pwrite``/``os.pread``, after the payload on writes)."""
 
-    def __init__(self, root: str, agent: _Agent) -> None:
-        super().__init__(root)
+    def __init__(self, root: str, slot_size: int, max_slots: int, agent: _Agent) -> None:
+        super().__init__(root, slot_size, max_slots, fsync=False)
         self.nixl = agent
 
-    def write_many(self, items: list[tuple[str, list[bytes | memoryview]]]) -> list[str | None]:
+    def _write_blocks(self, blocks: list[tuple[int, int, bytes, memoryview]]) -> list[str | None]:
         errors: list[str | None] = []
-        for batch in _chunks(items, lambda it: len(it[1][1])):
-            errors.extend(self._write_batch(batch))
+        for batch in _chunks(blocks, lambda b: len(b[3])):
+            local = [(self.nixl.slot_of(payload), len(payload), 0) for _, _, _, payload in batch]
+            remote = [(off + HEADER_AREA, len(p), fd, "") for fd, off, _, p in batch]
+            if not self.nixl.transfer("WRITE", local, "FILE", remote):
+                errors.extend("NIXL POSIX write failed" for _ in batch)
+                continue
+            for fd, offset, header, _ in batch:
+                try:
+                    os.pwrite(fd, header, offset)
+                    errors.append(None)
+                except OSError as exc:
+                    errors.append(f"{type(exc).__name__}: {exc.strerror or exc}")
         return errors
 
-    def _write_batch(self, items: list[tuple[str, list[bytes | memoryview]]]) -> list[str | None]:
-        opened: list[tuple[str, str, int, int, int]] = []  # path, tmp, fd, header, length
-        try:
-            for path, (header, payload) in items:
-                self.ensure_dir(path)
-                tmp, recycled = self.take()
-                flags = os.O_RDWR if recycled else os.O_RDWR | os.O_CREAT | os.O_EXCL
-                fd = os.open(tmp, flags, 0o600)
-                opened.append((path, tmp, fd, len(header), len(payload)))
-                os.pwrite(fd, header, 0)
-                if os.fstat(fd).st_size != len(header) + len(payload):
-                    os.ftruncate(fd, len(header) + len(payload))
-            local = [
-                (self.nixl.slot_of(memoryview(payload)), len(payload), 0)
-                for _, (_, payload) in items
-            ]
-            remote = [(hdr, length, fd, "") for _, _, fd, hdr, length in opened]
-            ok = self.nixl.transfer("WRITE", local, "FILE", remote)
-        except OSError as exc:
-            ok = False
-            error: str | None = f"{type(exc).__name__}: {exc.strerror or exc}"
-        else:
-            error = None if ok else "NIXL POSIX write failed"
-        for path, tmp, fd, _, _ in opened:
-            os.close(fd)
-            if ok:
-                os.replace(tmp, path)
-            else:
-                os.unlink(tmp)
-        return [None if ok else error for _ in items]
-
-    def read_many(self, items: list[tuple[str, int, memoryview]]) -> list[bytes | None]:
-        out: list[bytes | None] = [None] * len(items)
-        todo: list[tuple[int, int, int, memoryview]] = []  # index, fd, header size, view
-        try:
-            for i, (path, header_size, view) in enumerate(items):
-                try:
-                    fd = os.open(path, os.O_RDONLY)
-                except FileNotFoundError:
-                    continue
-                if os.fstat(fd).st_size != header_size + len(view):
-                    os.close(fd)
-                    out[i] = b""  # truncated or foreign: corrupt
-                    continue
-                out[i] = os.pread(fd, header_size, 0)
-                todo.append((i, fd, header_size, view))
-            if todo:
-                local = [(self.nixl.slot_of(v), len(v), 0) for _, _, _, v in todo]
-                remote = [(h, len(v), fd, "") for _, fd, h, v in todo]
-                if not self.nixl.transfer("READ", local, "FILE", remote):
-                    for i, _, _, _ in todo:
-                        out[i] = b""
-        finally:
-            for _, fd, _, _ in todo:
-                os.close(fd)
+    def _read_blocks(
+        self, blocks: list[tuple[tuple[int, int] | None, memoryview]]
+    ) -> list[bytes | None]:
+        out: list[bytes | None] = [None] * len(blocks)
+        todo: list[tuple[int, int, int, memoryview]] = []  # index, fd, offset, view
+        for i, (place, view) in enumerate(blocks):
+            if place is None:
+                continue
+            fd, offset = place
+            if os.fstat(fd).st_size < offset + HEADER_AREA + len(view):
+                out[i] = b""  # truncated: corrupt
+                continue
+            out[i] = os.pread(fd, HEADER_AREA, offset)
+            todo.append((i, fd, offset, view))
+        for batch in _chunks(todo, lambda t: len(t[3])):
+            local = [(self.nixl.slot_of(v), len(v), 0) for _, _, _, v in batch]
+            remote = [(off + HEADER_AREA, len(v), fd, "") for _, fd, off, v in batch]
+            if not self.nixl.transfer("READ", local, "FILE", remote):
+                for i, _, _, _ in batch:
+                    out[i] = b""
         return out
 
     def close(self) -> None:
+        super().close()
         self.nixl.close()
 
 
-class _NixlObjIo(_FsspecIo):
+class _NixlObjIo(_ObjectIo):
     """Objects written and read by NIXL's OBJ backend; s3fs lists and deletes."""
 
     def __init__(self, fs: Any, root: str, agent: _Agent, bucket: str) -> None:
@@ -193,20 +172,20 @@ class _NixlObjIo(_FsspecIo):
         self.bucket = bucket
         self._staging_lock = threading.Lock()
 
-    def _key(self, path: str) -> str:
+    def _object(self, path: str) -> str:
         return path[len(self.bucket) + 1 :]
 
-    def write_many(self, items: list[tuple[str, list[bytes | memoryview]]]) -> list[str | None]:
+    def write_many(self, items: list[tuple[OffloadKey, bytes, memoryview]]) -> list[str | None]:
         errors: list[str | None] = []
-        for path, (header, payload) in items:
+        for key, header, view in items:
             # payload first, header last: a block is readable only once both exist
-            view = memoryview(payload)
+            path = self.path(key)
             ok = self.nixl.transfer(
                 "WRITE",
                 [(self.nixl.slot_of(view), len(view), 0)],
                 "OBJ",
-                [(0, len(view), 1, self._key(path))],
-            ) and self._put_small(path + ".hdr", bytes(header))
+                [(0, len(view), 1, self._object(path))],
+            ) and self._put_small(path + ".hdr", header)
             errors.append(None if ok else "NIXL OBJ write failed")
         return errors
 
@@ -220,44 +199,47 @@ class _NixlObjIo(_FsspecIo):
                     "WRITE",
                     [(_address(view), len(buf), 0)],
                     "OBJ",
-                    [(0, len(buf), 1, self._key(path))],
+                    [(0, len(buf), 1, self._object(path))],
                 )
             finally:
                 self.nixl.agent.deregister_memory(reg)
 
-    def read_many(self, items: list[tuple[str, int, memoryview]]) -> list[bytes | None]:
-        headers = self.fs.cat([p + ".hdr" for p, _, _ in items], on_error="return")
+    def read_many(self, items: list[tuple[OffloadKey, memoryview]]) -> list[bytes | None]:
+        paths = [self.path(key) for key, _ in items]
+        headers = self.fs.cat([p + ".hdr" for p in paths], on_error="return")
         out: list[bytes | None] = []
-        for path, header_size, view in items:
+        for path, (_, view) in zip(paths, items, strict=True):
             header = headers.get(path + ".hdr")
             if header is None or isinstance(header, FileNotFoundError):
                 out.append(None)
                 continue
-            if isinstance(header, BaseException) or len(header) != header_size:
+            if isinstance(header, BaseException) or len(header) != HEADER_AREA:
                 out.append(b"")
                 continue
             ok = self.nixl.transfer(
                 "READ",
                 [(self.nixl.slot_of(view), len(view), 0)],
                 "OBJ",
-                [(0, len(view), 1, self._key(path))],
+                [(0, len(view), 1, self._object(path))],
             )
             out.append(bytes(header) if ok else b"")
         return out
 
-    def exists_many(self, paths: list[str]) -> set[str]:
+    def _exists_paths(self, paths: list[str]) -> set[str]:
         headers = {p + ".hdr": p for p in paths}
-        return {headers[h] for h in super().exists_many(list(headers))}
+        return {headers[h] for h in super()._exists_paths(list(headers))}
 
-    def remove(self, path: str) -> None:
-        for name in (path + ".hdr", path):
-            with contextlib.suppress(FileNotFoundError):
-                self.fs.rm_file(name)
+    def remove_many(self, keys: Sequence[OffloadKey], *, defer: bool = False) -> None:
+        for key in keys:
+            path = self.path(key)
+            for name in (path + ".hdr", path):
+                with contextlib.suppress(FileNotFoundError):
+                    self.fs.rm_file(name)
 
-    def walk(self) -> Iterator[tuple[str, int, float]]:
-        for path, size, mtime in super().walk():
+    def _walk(self) -> Iterable[tuple[str, float]]:
+        for path, mtime in super()._walk():
             if not path.endswith(".hdr"):  # a header belongs to its block
-                yield path, size, mtime
+                yield path, mtime
 
     def close(self) -> None:
         self.nixl.close()
@@ -326,4 +308,5 @@ class NixlTierStore(FsspecTierStore):
         if self._obj:
             agent = _Agent(self._name, "OBJ", self._obj_params, self._host)
             return _NixlObjIo(fs, base, agent, self._obj_params["bucket"])
-        return _NixlPosixIo(base, _Agent(self._name, "POSIX", {}, self._host))
+        slot_size, max_slots = self._slab_geometry()
+        return _NixlPosixIo(base, slot_size, max_slots, _Agent(self._name, "POSIX", {}, self._host))
