@@ -57,11 +57,17 @@ class TierRun:
         self.next_id = 0
         self.round = 0
 
-    def _jobs(self, kind: JobKind) -> int:
+    def _jobs(self, kind: JobKind) -> None:
+        """Submit every chunk, ``batch`` per job. Gets keep at most ``num_slots`` chunks in
+        flight, so no two running jobs fill the same slot (as the manager's reservations
+        guarantee); puts only read their slots."""
         slots = self.host.num_slots
-        n_jobs = 0
+        in_flight = jobs = 0
         for start in range(0, self.n, self.batch):
             ids = range(start, min(start + self.batch, self.n))
+            if kind is JobKind.GET and in_flight + len(ids) > slots:
+                wait_all(self.store, jobs)
+                in_flight = jobs = 0
             keys = tuple(
                 make_offload_key(hashlib.sha256(f"{self.round}:{i}".encode()).digest(), 0)
                 for i in ids
@@ -69,16 +75,17 @@ class TierRun:
             job = TierJob(JobId(self.next_id), kind, keys, tuple(i % slots for i in ids))
             self.next_id += 1
             (self.store.submit_put if kind is JobKind.PUT else self.store.submit_get)(job)
-            n_jobs += 1
-        return n_jobs
+            in_flight += len(ids)
+            jobs += 1
+        wait_all(self.store, jobs)
 
     def put(self) -> None:
         self.round += 1
-        wait_all(self.store, self._jobs(JobKind.PUT))
+        self._jobs(JobKind.PUT)
         self.store.take_events()
 
     def get(self) -> None:
-        wait_all(self.store, self._jobs(JobKind.GET))
+        self._jobs(JobKind.GET)
 
 
 def timed(fn: Callable[[], None], nbytes: int) -> float:

@@ -30,7 +30,13 @@ import uuid
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
-from kvhex.adapters.fsspec import HEADER_AREA, FsspecTierStore, _ObjectIo, _SlabIo
+from kvhex.adapters.fsspec import (
+    HEADER_AREA,
+    FsspecTierStore,
+    _ObjectIo,
+    _SlabIo,
+    pack_header,
+)
 from kvhex.domain.keys import OffloadKey
 from kvhex.domain.tiers import Locality, Medium
 from kvhex.ports.host_buffer import HostBuffer
@@ -120,15 +126,18 @@ class _NixlPosixIo(_SlabIo):
         super().__init__(root, slot_size, max_slots, fsync=False)
         self.nixl = agent
 
-    def _write_blocks(self, blocks: list[tuple[int, int, bytes, memoryview]]) -> list[str | None]:
+    def _write_blocks(
+        self, blocks: list[tuple[int, int, OffloadKey, memoryview]]
+    ) -> list[str | None]:
         errors: list[str | None] = []
         for batch in _chunks(blocks, lambda b: len(b[3])):
+            headers = [pack_header(key, payload) for _, _, key, payload in batch]
             local = [(self.nixl.slot_of(payload), len(payload), 0) for _, _, _, payload in batch]
             remote = [(off + HEADER_AREA, len(p), fd, "") for fd, off, _, p in batch]
             if not self.nixl.transfer("WRITE", local, "FILE", remote):
                 errors.extend("NIXL POSIX write failed" for _ in batch)
                 continue
-            for fd, offset, header, _ in batch:
+            for (fd, offset, _, _), header in zip(batch, headers, strict=True):
                 try:
                     os.pwrite(fd, header, offset)
                     errors.append(None)
@@ -175,9 +184,10 @@ class _NixlObjIo(_ObjectIo):
     def _object(self, path: str) -> str:
         return path[len(self.bucket) + 1 :]
 
-    def write_many(self, items: list[tuple[OffloadKey, bytes, memoryview]]) -> list[str | None]:
+    def write_many(self, items: list[tuple[OffloadKey, memoryview]]) -> list[str | None]:
         errors: list[str | None] = []
-        for key, header, view in items:
+        for key, view in items:
+            header = pack_header(key, view)
             # payload first, header last: a block is readable only once both exist
             path = self.path(key)
             ok = self.nixl.transfer(
