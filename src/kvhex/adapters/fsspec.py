@@ -729,6 +729,7 @@ class FsspecTierStore:
         self._writing: set[OffloadKey] = set()
         # keys whose file deletion is still running: never found, read or rewritten meanwhile
         self._deleting: dict[OffloadKey, cf.Future[Any]] = {}
+        self._deletions: dict[cf.Future[Any], list[OffloadKey]] = {}
         self._events: list[TierEvent] = []
         self._pending: list[tuple[TierJob, float, cf.Future[Any]]] = []
         self._pool = cf.ThreadPoolExecutor(io_threads, thread_name_prefix=f"kvhex-{name}")
@@ -773,13 +774,16 @@ class FsspecTierStore:
         victims: list[OffloadKey] = []
         if self._used <= limit:
             return victims
-        for key in list(self._index):
+        used = self._used
+        for key, size in self._index.items():  # oldest first; stops as soon as enough
             if key in protected:
                 continue
-            self._used -= self._index.pop(key)
             victims.append(key)
-            if self._used <= limit:
+            used -= size
+            if used <= limit:
                 break
+        for key in victims:
+            self._used -= self._index.pop(key)
         return victims
 
     # -- TierStore -----------------------------------------------------------------------
@@ -815,6 +819,8 @@ class FsspecTierStore:
         future = self._pool.submit(self._do_put, new, victims, before)
         for victim in victims:
             self._deleting[victim] = future
+        if victims:
+            self._deletions[future] = victims
         self._pending.append((job, time.perf_counter(), future))
 
     def submit_get(self, job: TierJob) -> None:
@@ -838,8 +844,11 @@ class FsspecTierStore:
 
     def poll(self) -> list[JobResult]:
         """Results of finished jobs, each once; applies them to the index and events."""
-        if self._deleting:
-            self._deleting = {k: f for k, f in self._deleting.items() if not f.done()}
+        if self._deletions:  # per job, not per key: poll runs every scheduler step
+            for future in [f for f in self._deletions if f.done()]:
+                for key in self._deletions.pop(future):
+                    if self._deleting.get(key) is future:
+                        del self._deleting[key]
         results = []
         still = []
         for job, started, future in self._pending:
@@ -861,6 +870,7 @@ class FsspecTierStore:
                 future = self._pool.submit(self._remove_all, gone)
                 for key in gone:
                     self._deleting[key] = future
+                self._deletions[future] = gone
 
     def drain(self) -> None:
         """Block until every submitted job finished."""

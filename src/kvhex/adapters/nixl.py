@@ -77,6 +77,16 @@ class _Agent:
         remote_reg: list[tuple[int, int, int, str]],
     ) -> bool:
         """One transfer of many descriptors; True when NIXL reports DONE."""
+        return self.finish(self.start(op, local, mem_type, remote_reg))
+
+    def start(
+        self,
+        op: str,
+        local: list[tuple[int, int, int]],
+        mem_type: str,
+        remote_reg: list[tuple[int, int, int, str]],
+    ) -> tuple[Any, Any, str]:
+        """Post a transfer; the backend runs it on its own threads (no GIL held)."""
         agent = self.agent
         with self._lock:
             reg = agent.register_memory(remote_reg, mem_type)
@@ -84,15 +94,26 @@ class _Agent:
                 local_descs = agent.get_xfer_descs(local, "DRAM")
                 remote_descs = agent.get_xfer_descs([r[:3] for r in remote_reg], mem_type)
                 handle = agent.initialize_xfer(op, local_descs, remote_descs, self.name)
-                try:
-                    state = agent.transfer(handle)
-                    while state in ("PROC", "INIT"):
-                        time.sleep(0.0002)
-                        state = agent.check_xfer_state(handle)
-                    return state == "DONE"
-                finally:
-                    agent.release_xfer_handle(handle)
-            finally:
+                state = agent.transfer(handle)
+            except BaseException:
+                agent.deregister_memory(reg)
+                raise
+        return handle, reg, state
+
+    def finish(self, posted: tuple[Any, Any, str]) -> bool:
+        """Wait for a posted transfer, release it; True when NIXL reports DONE."""
+        agent = self.agent
+        handle, reg, state = posted
+        try:
+            # the lock is not held while the backend works: other jobs' transfers overlap
+            while state in ("PROC", "INIT"):
+                time.sleep(0.0002)
+                with self._lock:
+                    state = agent.check_xfer_state(handle)
+            return bool(state == "DONE")
+        finally:
+            with self._lock:
+                agent.release_xfer_handle(handle)
                 agent.deregister_memory(reg)
 
     def slot_of(self, view: memoryview) -> int:
@@ -131,10 +152,12 @@ class _NixlPosixIo(_SlabIo):
     ) -> list[str | None]:
         errors: list[str | None] = []
         for batch in _chunks(blocks, lambda b: len(b[3])):
-            headers = [pack_header(key, payload) for _, _, key, payload in batch]
             local = [(self.nixl.slot_of(payload), len(payload), 0) for _, _, _, payload in batch]
             remote = [(off + HEADER_AREA, len(p), fd, "") for fd, off, _, p in batch]
-            if not self.nixl.transfer("WRITE", local, "FILE", remote):
+            posted = self.nixl.start("WRITE", local, "FILE", remote)
+            # checksums while NIXL writes the same (pinned, unchanging) bytes
+            headers = [pack_header(key, payload) for _, _, key, payload in batch]
+            if not self.nixl.finish(posted):
                 errors.extend("NIXL POSIX write failed" for _ in batch)
                 continue
             for (fd, offset, _, _), header in zip(batch, headers, strict=True):
