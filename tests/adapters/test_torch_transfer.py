@@ -281,3 +281,58 @@ def test_host_tensor_must_be_the_slots(host: TorchHostBuffer) -> None:
 
     with pytest.raises(TransferError, match=r"host tensor must be .* \[64, 192\], got"):
         _single(WrongShape(), _caches())  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("staging_slots", [1, 2, 64])
+def test_equal_layers_of_a_group_round_trip_together(staging_slots: int) -> None:
+    # four equal layers in group 0, two in group 1 (one copy per group between the staging
+    # rows and the dense blocks), jobs over several slots with a skip and a partial tail
+    spec = Layout([16, 16, 16, 16, 8, 8], [0, 0, 0, 0, 1, 1], [3, 2], [40, 40])
+    source = _random_caches(spec, seed=5)
+    job = TransferJob(
+        JobId(1),
+        STORE,
+        slots=[9, 2, 3, 7, 0, 5, 4],
+        block_ids=[*range(10, 20), *range(30, 35)],
+        group_sizes=[10, 5],
+        block_indices=[4, 2],
+    )
+    with TorchHostBuffer(10, spec.slot_bytes) as host:
+        transfer = TorchBlockTransfer(
+            host,
+            source,
+            tensor_groups=spec.tensor_groups,
+            blocks_per_chunk=spec.blocks_per_chunk,
+            staging_bytes=staging_slots * spec.slot_bytes,
+        )
+        transfer.submit_store(job)
+        _drain(transfer, [1])
+        expected = torch.zeros(10 * spec.slot_bytes, dtype=torch.uint8)
+        for w in placements(spec, job):
+            expected[w.host : w.host + w.length] = source[w.tensor][w.block]
+        assert torch.equal(host.tensor.view(-1), expected)
+        target = [torch.zeros_like(t) for t in source]
+        back = TorchBlockTransfer(
+            host,
+            target,
+            tensor_groups=spec.tensor_groups,
+            blocks_per_chunk=spec.blocks_per_chunk,
+            staging_bytes=staging_slots * spec.slot_bytes,
+        )
+        back.submit_load(
+            TransferJob(
+                JobId(2),
+                LOAD,
+                job.slots,
+                job.block_ids,
+                group_sizes=job.group_sizes,
+                block_indices=job.block_indices,
+            )
+        )
+        _drain(back, [2])
+        for t, (got, want) in enumerate(zip(target, source, strict=True)):
+            ids = list(range(10, 20)) if spec.tensor_groups[t] == 0 else list(range(30, 35))
+            assert torch.equal(got[ids], want[ids])
+            assert int(got.sum()) == int(want[ids].sum(dtype=torch.int64))
+        transfer.close()
+        back.close()

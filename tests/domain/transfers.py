@@ -86,13 +86,13 @@ def layouts(draw: st.DrawFn, max_groups: int = 3, max_extra_tensors: int = 3) ->
     per_chunk = draw(st.lists(st.integers(1, 4), min_size=num_groups, max_size=num_groups))
     extra = draw(st.lists(st.integers(0, num_groups - 1), max_size=max_extra_tensors))
     groups = draw(st.permutations(list(range(num_groups)) + extra))
-    pages = draw(
-        st.lists(
-            st.sampled_from([1, 3, 8, 12, 16, 40, 64]),
-            min_size=len(groups),
-            max_size=len(groups),
-        )
-    )
+    page_sizes = st.sampled_from([1, 3, 8, 12, 16, 40, 64])
+    if draw(st.booleans()):  # every tensor of a group alike (the usual model: equal layers)
+        per_group = draw(st.lists(page_sizes, min_size=num_groups, max_size=num_groups))
+        groups = sorted(groups) if draw(st.booleans()) else groups
+        pages = [per_group[g] for g in groups]
+    else:
+        pages = draw(st.lists(page_sizes, min_size=len(groups), max_size=len(groups)))
     num_blocks = draw(st.lists(st.integers(4, 24), min_size=num_groups, max_size=num_groups))
     return Layout(pages, list(groups), per_chunk, num_blocks)
 

@@ -58,27 +58,57 @@ class TensorHostBuffer(HostBuffer, Protocol):
         ...
 
 
-class _Tensor:
-    """One registered KV tensor, as the copy code needs it."""
+def _widest(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.dtype, int]:
+    """``blocks`` viewed as the widest integer type its rows allow: gathers and scatters move
+    elements, and wide elements are several times faster than bytes (measured on the CPU;
+    fewer threads on CUDA)."""
+    page = blocks.shape[1]
+    for dtype, size in _WIDE:
+        if page % size or blocks.stride(0) % size or blocks.data_ptr() % size:
+            continue
+        try:
+            return blocks.view(dtype), dtype, size
+        except RuntimeError:  # e.g. a storage offset torch will not reinterpret
+            continue
+    return blocks, torch.uint8, 1
 
-    __slots__ = ("chunk_bytes", "dtype", "itemsize", "offset", "page", "wide")
 
-    def __init__(self, blocks: torch.Tensor, offset: int, per_chunk: int) -> None:
-        self.page = blocks.shape[1]
+class _Span:
+    """Neighbouring registered tensors of one group with one page size (typically every
+    layer of a group): their regions are adjacent in a slot, so the copy between the dense
+    buffer and the staging rows is one strided copy for all of them."""
+
+    __slots__ = ("chunk_bytes", "count", "dtype", "itemsize", "offset", "page", "wides")
+
+    def __init__(self, offset: int, page: int, per_chunk: int, dtype: torch.dtype) -> None:
         self.offset = offset
-        self.chunk_bytes = per_chunk * self.page
-        # gathers and scatters move elements: the widest integer type the rows allow is
-        # several times faster than bytes (measured on CPU; fewer threads on CUDA)
-        self.wide, self.dtype, self.itemsize = blocks, torch.uint8, 1
-        for dtype, size in _WIDE:
-            if self.page % size or blocks.stride(0) % size or blocks.data_ptr() % size:
-                continue
-            try:
-                self.wide = blocks.view(dtype)
-            except RuntimeError:  # e.g. a storage offset torch will not reinterpret
-                continue
-            self.dtype, self.itemsize = dtype, size
-            break
+        self.page = page
+        self.chunk_bytes = per_chunk * page
+        self.dtype = dtype
+        self.itemsize = torch.empty(0, dtype=dtype).element_size()
+        self.wides: list[torch.Tensor] = []
+        self.count = 0
+
+    def add(self, wide: torch.Tensor) -> None:
+        self.wides.append(wide)
+        self.count += 1
+
+
+def _spans(layout: SlotLayout, blocks: list[torch.Tensor]) -> list[list[_Span]]:
+    """Per group, its tensors cut into spans (in registration order)."""
+    spans: list[list[_Span]] = [[] for _ in range(layout.num_groups)]
+    last: _Span | None = None
+    last_group = -1
+    for t, tensor in enumerate(blocks):
+        group = layout.tensor_groups[t]
+        wide, dtype, _ = _widest(tensor)
+        page = layout.page_bytes[t]
+        if last is None or group != last_group or page != last.page or dtype != last.dtype:
+            last = _Span(layout.region_offsets[t], page, layout.blocks_per_chunk[group], dtype)
+            spans[group].append(last)
+            last_group = group
+        last.add(wide)
+    return spans
 
 
 class _Pending:
@@ -211,10 +241,7 @@ class TorchBlockTransfer:
         self._cuda = device.type == "cuda"
         self.layout = layout
         self._num_blocks = tuple(num_blocks)
-        self._tensors = [
-            _Tensor(b, layout.region_offsets[t], layout.blocks_per_chunk[layout.tensor_groups[t]])
-            for t, b in enumerate(blocks)
-        ]
+        self._spans = _spans(layout, blocks)
         self._max_chunks = max(1, staging_bytes // layout.slot_bytes)
         self._stage_cap = self._max_chunks * layout.slot_bytes
         self._lanes = {kind: _Lane(kind, device) for kind in TransferKind}
@@ -347,9 +374,9 @@ class TorchBlockTransfer:
                 run_index = index[at : at + run.num_blocks]
                 rows = run.num_chunks * layout.blocks_per_chunk[run.group]
                 base = (run.slot_pos - first_slot) * slot_bytes
-                for t in layout.group_tensors[run.group]:
+                for span in self._spans[run.group]:
                     self._move(
-                        self._tensors[t],
+                        span,
                         run,
                         store=store,
                         stage=stage,
@@ -368,7 +395,7 @@ class TorchBlockTransfer:
 
     def _move(
         self,
-        spec: _Tensor,
+        span: _Span,
         run: ChunkRun,
         *,
         store: bool,
@@ -378,27 +405,45 @@ class TorchBlockTransfer:
         rows: int,
         index: torch.Tensor,
     ) -> None:
-        """Gather one tensor's blocks of a run into its region of the staging rows (store),
-        or scatter them from there (load)."""
+        """Gather a span's blocks of a run into their regions of the staging rows (store), or
+        scatter them from there (load): one gather or scatter per tensor, one strided copy
+        for the span (none when the run's regions are already contiguous)."""
         slot_bytes = self.layout.slot_bytes
-        start = base + spec.offset
-        contiguous = run.num_chunks == 1 or slot_bytes == spec.chunk_bytes
-        if contiguous and start % spec.itemsize == 0:
-            # the run's region is one contiguous span of the staging rows: use it directly
-            flat = stage[start : start + rows * spec.page]
-            region = None
-        else:
-            flat = dense[: rows * spec.page]
-            region = stage.as_strided((run.num_chunks, spec.chunk_bytes), (slot_bytes, 1), start)
-        blocks = flat.view(spec.dtype).view(rows, -1)[run.skip : run.skip + run.num_blocks]
+        start = base + span.offset
+        lo, hi = run.skip, run.skip + run.num_blocks
+        span_bytes = span.count * span.chunk_bytes
+        one_slot = run.num_chunks == 1
+        whole_slots = span.count == 1 and slot_bytes == span_bytes
+        if (one_slot or whole_slots) and start % span.itemsize == 0:
+            # the regions are one contiguous stretch of the staging rows: no dense copy
+            # (one slot: tensor after tensor; a lone tensor filling its slots: row after row)
+            stretch = stage[start : start + span.count * rows * span.page]
+            blocks = stretch.view(span.dtype).view(span.count, rows, -1)
+            self._gather_scatter(span, blocks, store=store, lo=lo, hi=hi, index=index)
+            return
+        flat = dense[: span.count * rows * span.page]
+        blocks = flat.view(span.dtype).view(span.count, rows, -1)
+        # dense is (tensor, chunk, chunk bytes); the staging rows hold (chunk, tensor, bytes)
+        dense_view = flat.view(span.count, run.num_chunks, span.chunk_bytes).permute(1, 0, 2)
+        region = stage.as_strided(
+            (run.num_chunks, span.count, span.chunk_bytes), (slot_bytes, span.chunk_bytes, 1), start
+        )
         if store:
-            torch.index_select(spec.wide, 0, index, out=blocks)
-            if region is not None:
-                region.copy_(flat.view(run.num_chunks, spec.chunk_bytes))
+            self._gather_scatter(span, blocks, store=store, lo=lo, hi=hi, index=index)
+            region.copy_(dense_view)
         else:
-            if region is not None:
-                flat.view(run.num_chunks, spec.chunk_bytes).copy_(region)
-            spec.wide.index_put_((index,), blocks)
+            dense_view.copy_(region)
+            self._gather_scatter(span, blocks, store=store, lo=lo, hi=hi, index=index)
+
+    @staticmethod
+    def _gather_scatter(
+        span: _Span, blocks: torch.Tensor, *, store: bool, lo: int, hi: int, index: torch.Tensor
+    ) -> None:
+        for k, wide in enumerate(span.wides):
+            if store:
+                torch.index_select(wide, 0, index, out=blocks[k, lo:hi])
+            else:
+                wide.index_put_((index,), blocks[k, lo:hi])
 
     def _index(self, ids: tuple[int, ...]) -> torch.Tensor:
         index = torch.tensor(ids, dtype=torch.int64)
@@ -447,7 +492,7 @@ class TorchBlockTransfer:
 
     def __repr__(self) -> str:
         return (
-            f"TorchBlockTransfer(device={self._device}, tensors={len(self._tensors)}, "
+            f"TorchBlockTransfer(device={self._device}, tensors={len(self.layout.page_bytes)}, "
             f"groups={self.layout.num_groups}, slot_bytes={self.layout.slot_bytes})"
         )
 
