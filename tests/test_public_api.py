@@ -37,6 +37,7 @@ PUBLIC = [
     "kvhex.adapters.nixl",
     "kvhex.adapters.torch",
     "kvhex.adapters.torch.host",
+    "kvhex.adapters.torch.staging",
     "kvhex.adapters.torch.transfer",
 ]
 

@@ -1,23 +1,15 @@
 """``TorchBlockTransfer``: device KV blocks <-> host slots with torch, on CUDA or on the CPU.
 
-Every job is copied through a staging area on the device laid out exactly like the job's
-host slots (row ``i`` is the job's ``i``-th slot):
+The copies themselves are :mod:`kvhex.adapters.torch.staging`'s (a staging area laid out like
+the job's slots; a few device ops per tensor and one host copy per contiguous byte range).
+This module runs them in order per direction and reports results:
 
-* store: per registered tensor, one ``index_select`` gathers the job's blocks into a dense
-  buffer and one strided copy places them at their region in the staging rows; then one copy
-  per contiguous host byte range moves staging -> host;
-* load: the same steps backwards, ending in one ``index_put_`` per tensor.
-
-So a job costs two device ops per tensor plus one host copy per byte range (adjacent slots
-merge into one range), never one call per block; the host side only ever sees large
-contiguous copies, which is what DMA engines are fast at. Runs of one chunk skip the dense
-buffer. The staging area is bounded (``staging_bytes``); larger jobs are copied in batches.
-
-On CUDA each direction has its own stream; a job waits for the work queued on the current
-(compute) stream at submission, runs between two timing events, and completes in submission
-order because its stream runs in order. On the CPU each direction has one worker thread
-(torch releases the GIL while copying), which gives the same ordering. Both paths share the
-copy code above.
+* CUDA: one stream per direction. A job waits for the work queued on the current (compute)
+  stream at submission, runs between two timing events, and completes in submission order
+  because its stream runs in order; ``poll`` reports event-measured seconds.
+* CPU: one worker thread per direction (torch releases the GIL while copying), which gives
+  the same ordering; the same copy code runs there, so the whole stack is tested without a
+  GPU.
 """
 
 from __future__ import annotations
@@ -32,6 +24,7 @@ from typing import Any, Protocol, cast
 import structlog
 import torch
 
+from kvhex.adapters.torch.staging import StagedCopier, Staging, block_bytes
 from kvhex.domain.jobs import JobId
 from kvhex.domain.transfer import ChunkRun, SlotLayout, TransferJob, TransferKind, TransferResult
 from kvhex.errors import TransferError
@@ -45,8 +38,6 @@ DEFAULT_STAGING_BYTES = 64 << 20
 """Staging bytes per direction (two such areas per direction: the slot rows and the dense
 block buffer). Jobs larger than this are copied in batches of whole slots."""
 
-_WIDE = ((torch.int64, 8), (torch.int32, 4), (torch.int16, 2))
-
 
 class TensorHostBuffer(HostBuffer, Protocol):
     """A ``HostBuffer`` whose bytes are also one uint8 CPU tensor ``[num_slots, slot_bytes]``
@@ -56,59 +47,6 @@ class TensorHostBuffer(HostBuffer, Protocol):
     def tensor(self) -> torch.Tensor:
         """The whole buffer, zero-copy."""
         ...
-
-
-def _widest(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.dtype, int]:
-    """``blocks`` viewed as the widest integer type its rows allow: gathers and scatters move
-    elements, and wide elements are several times faster than bytes (measured on the CPU;
-    fewer threads on CUDA)."""
-    page = blocks.shape[1]
-    for dtype, size in _WIDE:
-        if page % size or blocks.stride(0) % size or blocks.data_ptr() % size:
-            continue
-        try:
-            return blocks.view(dtype), dtype, size
-        except RuntimeError:  # e.g. a storage offset torch will not reinterpret
-            continue
-    return blocks, torch.uint8, 1
-
-
-class _Span:
-    """Neighbouring registered tensors of one group with one page size (typically every
-    layer of a group): their regions are adjacent in a slot, so the copy between the dense
-    buffer and the staging rows is one strided copy for all of them."""
-
-    __slots__ = ("chunk_bytes", "count", "dtype", "itemsize", "offset", "page", "wides")
-
-    def __init__(self, offset: int, page: int, per_chunk: int, dtype: torch.dtype) -> None:
-        self.offset = offset
-        self.page = page
-        self.chunk_bytes = per_chunk * page
-        self.dtype = dtype
-        self.itemsize = torch.empty(0, dtype=dtype).element_size()
-        self.wides: list[torch.Tensor] = []
-        self.count = 0
-
-    def add(self, wide: torch.Tensor) -> None:
-        self.wides.append(wide)
-        self.count += 1
-
-
-def _spans(layout: SlotLayout, blocks: list[torch.Tensor]) -> list[list[_Span]]:
-    """Per group, its tensors cut into spans (in registration order)."""
-    spans: list[list[_Span]] = [[] for _ in range(layout.num_groups)]
-    last: _Span | None = None
-    last_group = -1
-    for t, tensor in enumerate(blocks):
-        group = layout.tensor_groups[t]
-        wide, dtype, _ = _widest(tensor)
-        page = layout.page_bytes[t]
-        if last is None or group != last_group or page != last.page or dtype != last.dtype:
-            last = _Span(layout.region_offsets[t], page, layout.blocks_per_chunk[group], dtype)
-            spans[group].append(last)
-            last_group = group
-        last.add(wide)
-    return spans
 
 
 class _Pending:
@@ -138,20 +76,7 @@ class _Lane:
             self.stream = _new_stream(device)
         else:
             self.executor = ThreadPoolExecutor(1, thread_name_prefix=f"kvhex-{kind.value}")
-        self.stage: torch.Tensor | None = None
-        self.dense: torch.Tensor | None = None
-
-    def buffers(self, nbytes: int, cap: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Staging rows and dense buffer of at least ``nbytes``. On CUDA this runs under the
-        lane's stream, so a replaced buffer is reused only by work ordered after it."""
-        if self.stage is None or self.dense is None or self.stage.numel() < nbytes:
-            size = max(nbytes, min(cap, 2 * (self.stage.numel() if self.stage is not None else 0)))
-            self.stage = torch.empty(size, dtype=torch.uint8, device=self.device)
-            self.dense = torch.empty(size, dtype=torch.uint8, device=self.device)
-            if self.device.type == "cpu":  # fault the pages in now, not during a timed copy
-                self.stage.fill_(0)
-                self.dense.fill_(0)
-        return self.stage, self.dense
+        self.staging = Staging(device)
 
 
 class TorchBlockTransfer:
@@ -201,7 +126,7 @@ class TorchBlockTransfer:
                 raise TransferError(
                     f"tensor {i} is on {tensor.device}, tensor 0 on {device}", field="kv_caches"
                 )
-        blocks = [_block_bytes(i, tensor) for i, tensor in enumerate(caches)]
+        blocks = [block_bytes(i, tensor) for i, tensor in enumerate(caches)]
         layout = SlotLayout([b.shape[1] for b in blocks], tensor_groups, blocks_per_chunk)
         num_blocks = []
         for group, members in enumerate(layout.group_tensors):
@@ -235,15 +160,12 @@ class TorchBlockTransfer:
         if staging_bytes <= 0:
             raise TransferError(f"must be > 0, got {staging_bytes}", field="staging_bytes")
         self._host = host
-        self._host_flat = host_tensor.view(-1)
         self._num_slots = host.num_slots
         self._device = device
         self._cuda = device.type == "cuda"
         self.layout = layout
         self._num_blocks = tuple(num_blocks)
-        self._spans = _spans(layout, blocks)
-        self._max_chunks = max(1, staging_bytes // layout.slot_bytes)
-        self._stage_cap = self._max_chunks * layout.slot_bytes
+        self._copier = StagedCopier(layout, blocks, host_tensor, staging_bytes=staging_bytes)
         self._lanes = {kind: _Lane(kind, device) for kind in TransferKind}
         self._closed = False
         if self._cuda and not host_tensor.is_pinned():
@@ -295,7 +217,7 @@ class TorchBlockTransfer:
                 self._block_on(pending)
             if lane.executor is not None:
                 lane.executor.shutdown(wait=True)
-            lane.stage = lane.dense = None
+            lane.staging.release()
 
     # -- submission --------------------------------------------------------------------------
     def _submit(self, kind: TransferKind, job: TransferJob) -> None:
@@ -327,7 +249,13 @@ class TorchBlockTransfer:
                 start = _new_event()
                 start.record(stream)
                 pending.start = start
-                pending.nbytes = self._copy(lane, job, runs, non_blocking=True)
+                pending.nbytes = self._copier.copy(
+                    lane.staging,
+                    job,
+                    runs,
+                    store=lane.kind is TransferKind.STORE,
+                    non_blocking=True,
+                )
             except RuntimeError as exc:  # e.g. out of device memory for staging
                 pending.error = f"{type(exc).__name__}: {exc}"
             finally:
@@ -340,116 +268,9 @@ class TorchBlockTransfer:
         self, lane: _Lane, job: TransferJob, runs: tuple[ChunkRun, ...]
     ) -> tuple[int, float]:
         began = time.perf_counter()
-        nbytes = self._copy(lane, job, runs, non_blocking=False)
-        return nbytes, time.perf_counter() - began
-
-    # -- the copies (CUDA and CPU alike) -------------------------------------------------------
-    def _copy(
-        self, lane: _Lane, job: TransferJob, runs: tuple[ChunkRun, ...], *, non_blocking: bool
-    ) -> int:
-        layout = self.layout
-        chunks = sum(run.num_chunks for run in runs)
-        batches = layout.batches(runs, self._max_chunks) if chunks > self._max_chunks else [runs]
         store = lane.kind is TransferKind.STORE
-        host = self._host_flat
-        slot_bytes = layout.slot_bytes
-        nbytes = 0
-        for batch in batches:
-            if not batch:
-                continue
-            rows_bytes = sum(run.num_chunks for run in batch) * slot_bytes
-            stage, dense = lane.buffers(rows_bytes, self._stage_cap)
-            first_block = batch[0].block_pos
-            ids = job.block_ids[first_block : batch[-1].block_pos + batch[-1].num_blocks]
-            index = self._index(ids)
-            ranges = layout.byte_ranges(batch, job.slots)
-            if not store:
-                for r in ranges:
-                    stage[r.stage : r.stage + r.length].copy_(
-                        host[r.host : r.host + r.length], non_blocking=non_blocking
-                    )
-            first_slot = batch[0].slot_pos
-            for run in batch:
-                at = run.block_pos - first_block
-                run_index = index[at : at + run.num_blocks]
-                rows = run.num_chunks * layout.blocks_per_chunk[run.group]
-                base = (run.slot_pos - first_slot) * slot_bytes
-                for span in self._spans[run.group]:
-                    self._move(
-                        span,
-                        run,
-                        store=store,
-                        stage=stage,
-                        dense=dense,
-                        base=base,
-                        rows=rows,
-                        index=run_index,
-                    )
-            if store:
-                for r in ranges:
-                    host[r.host : r.host + r.length].copy_(
-                        stage[r.stage : r.stage + r.length], non_blocking=non_blocking
-                    )
-            nbytes += sum(r.length for r in ranges)
-        return nbytes
-
-    def _move(
-        self,
-        span: _Span,
-        run: ChunkRun,
-        *,
-        store: bool,
-        stage: torch.Tensor,
-        dense: torch.Tensor,
-        base: int,
-        rows: int,
-        index: torch.Tensor,
-    ) -> None:
-        """Gather a span's blocks of a run into their regions of the staging rows (store), or
-        scatter them from there (load): one gather or scatter per tensor, one strided copy
-        for the span (none when the run's regions are already contiguous)."""
-        slot_bytes = self.layout.slot_bytes
-        start = base + span.offset
-        lo, hi = run.skip, run.skip + run.num_blocks
-        span_bytes = span.count * span.chunk_bytes
-        one_slot = run.num_chunks == 1
-        whole_slots = span.count == 1 and slot_bytes == span_bytes
-        if (one_slot or whole_slots) and start % span.itemsize == 0:
-            # the regions are one contiguous stretch of the staging rows: no dense copy
-            # (one slot: tensor after tensor; a lone tensor filling its slots: row after row)
-            stretch = stage[start : start + span.count * rows * span.page]
-            blocks = stretch.view(span.dtype).view(span.count, rows, -1)
-            self._gather_scatter(span, blocks, store=store, lo=lo, hi=hi, index=index)
-            return
-        flat = dense[: span.count * rows * span.page]
-        blocks = flat.view(span.dtype).view(span.count, rows, -1)
-        # dense is (tensor, chunk, chunk bytes); the staging rows hold (chunk, tensor, bytes)
-        dense_view = flat.view(span.count, run.num_chunks, span.chunk_bytes).permute(1, 0, 2)
-        region = stage.as_strided(
-            (run.num_chunks, span.count, span.chunk_bytes), (slot_bytes, span.chunk_bytes, 1), start
-        )
-        if store:
-            self._gather_scatter(span, blocks, store=store, lo=lo, hi=hi, index=index)
-            region.copy_(dense_view)
-        else:
-            dense_view.copy_(region)
-            self._gather_scatter(span, blocks, store=store, lo=lo, hi=hi, index=index)
-
-    @staticmethod
-    def _gather_scatter(
-        span: _Span, blocks: torch.Tensor, *, store: bool, lo: int, hi: int, index: torch.Tensor
-    ) -> None:
-        for k, wide in enumerate(span.wides):
-            if store:
-                torch.index_select(wide, 0, index, out=blocks[k, lo:hi])
-            else:
-                wide.index_put_((index,), blocks[k, lo:hi])
-
-    def _index(self, ids: tuple[int, ...]) -> torch.Tensor:
-        index = torch.tensor(ids, dtype=torch.int64)
-        if self._cuda:  # pinned, so the copy is asynchronous on the lane's stream
-            return index.pin_memory().to(self._device, non_blocking=True)
-        return index
+        nbytes = self._copier.copy(lane.staging, job, runs, store=store, non_blocking=False)
+        return nbytes, time.perf_counter() - began
 
     # -- completion --------------------------------------------------------------------------
     def _finished(self, pending: _Pending) -> bool:
@@ -510,32 +331,3 @@ def _new_event() -> torch.cuda.Event:
 
 def _event_done(event: torch.cuda.Event) -> bool:
     return bool(cast(Any, event).query())
-
-
-def _block_bytes(i: int, tensor: torch.Tensor) -> torch.Tensor:
-    """``tensor`` as a ``(num_blocks, page_bytes)`` uint8 view (rows may be strided), or a
-    ``TransferError`` saying why it cannot be one."""
-    if tensor.dim() == 0 or tensor.shape[0] == 0 or tensor.numel() == 0:
-        raise TransferError(
-            f"tensor {i} of shape {list(tensor.shape)} has no blocks", field="kv_caches"
-        )
-    num_blocks = tensor.shape[0]
-    try:
-        rows = tensor.view(num_blocks, -1)
-        if rows.shape[1] > 1 and rows.stride(1) != 1:
-            raise RuntimeError("strided within a block")
-        blocks = rows.view(torch.uint8)
-    except RuntimeError as exc:
-        raise TransferError(
-            f"tensor {i} (shape {list(tensor.shape)}, strides {list(tensor.stride())}, "
-            f"{tensor.dtype}): a block's bytes are not contiguous ({exc}); register "
-            "(num_blocks, page_bytes) views whose blocks are contiguous",
-            field="kv_caches",
-        ) from exc
-    if num_blocks > 1 and blocks.stride(0) < blocks.shape[1]:
-        raise TransferError(
-            f"tensor {i}: blocks overlap (row stride {blocks.stride(0)} bytes < page "
-            f"{blocks.shape[1]} bytes)",
-            field="kv_caches",
-        )
-    return blocks
