@@ -136,11 +136,13 @@ def test_register_refuses_duplicates_without_replace() -> None:
     assert registry.load(POLICIES, "lru") is ArcPolicy
 
 
-def test_the_torch_transfer_is_a_builtin_entry_point_that_loads() -> None:
+def test_the_torch_and_memory_transfers_are_builtin_entry_points_that_load() -> None:
+    from kvhex.adapters.memory import MemoryBlockTransfer
     from kvhex.adapters.torch import TorchBlockTransfer
 
     registry = Registry.discover([TRANSFERS])
-    assert "torch" in registry.names(TRANSFERS)
+    assert registry.names(TRANSFERS) == ["memory", "torch"]
+    assert registry.load(TRANSFERS, "memory") is MemoryBlockTransfer
     spec = next(s for s in registry.specs(TRANSFERS) if s.name == "torch")
     assert spec.distribution == "kvhex"
     assert spec.value == "kvhex.adapters.torch:TorchBlockTransfer [torch]"
