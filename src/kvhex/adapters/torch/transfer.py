@@ -177,8 +177,9 @@ class TorchBlockTransfer:
     # -- BlockTransfer ---------------------------------------------------------------------
     def submit_store(self, job: TransferJob) -> None:
         """Copy ``job.block_ids`` from the device into ``job.slots`` (after the work queued on
-        the current CUDA stream). Raises ``TransferError`` for a job that does not fit the
-        layout, a load job, or after ``close``; a copy failure is a failed result."""
+        the current CUDA stream; the blocks must not be overwritten until the result is
+        polled). Raises ``TransferError`` for a job that does not fit the layout, a load job,
+        or after ``close``; a copy failure is a failed result."""
         self._submit(TransferKind.STORE, job)
 
     def submit_load(self, job: TransferJob) -> None:
