@@ -101,3 +101,31 @@ def test_tiers_bench_runs_every_tier_with_its_baseline() -> None:
     for tier in ("files", "nixl", "s3"):
         assert f"\n{tier} " in out or out.startswith(tier), tier
     assert out.count("KiB") == 6
+
+
+def test_gpu_transfer_bench_runs_on_cpu_tensors_with_its_baseline() -> None:
+    out = subprocess.run(
+        [
+            sys.executable,
+            str(BENCH / "gpu_transfer.py"),
+            "--device",
+            "cpu",
+            "--total-mib",
+            "4",
+            "--layers",
+            "4",
+            "--chunks-per-job",
+            "4",
+            "--repeats",
+            "1",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=120,
+    ).stdout
+    assert out.startswith("device cpu, 4 layers")
+    for chunk in ("2 MiB", "256 KiB"):
+        for direction in ("store", "load"):
+            assert f"\n{chunk:<8} {direction:<9} " in out, (chunk, direction)
+    assert "kvhex GB/s" in out

@@ -35,6 +35,10 @@ PUBLIC = [
     "kvhex.adapters.zmq",
     "kvhex.adapters.fsspec",
     "kvhex.adapters.nixl",
+    "kvhex.adapters.torch",
+    "kvhex.adapters.torch.host",
+    "kvhex.adapters.torch.staging",
+    "kvhex.adapters.torch.transfer",
 ]
 
 

@@ -153,10 +153,18 @@ class BlockCorrupted(TierError):
 
 
 class TransferError(KvhexError, RuntimeError):
-    """A device <-> host copy failed or was given mismatched shapes."""
+    """A device <-> host copy failed, or was given a job or tensors that do not fit its layout.
 
-    def __init__(self, problem: str, *, job_id: int | None = None) -> None:
+    ``job_id`` names the job and ``field`` the job field or constructor argument at fault
+    (``"slots"``, ``"block_ids"``, ``"kv_caches"``, ...) when known.
+    """
+
+    def __init__(
+        self, problem: str, *, job_id: int | None = None, field: str | None = None
+    ) -> None:
         self.problem = problem
         self.job_id = job_id
+        self.field = field
         where = f"transfer job {job_id}: " if job_id is not None else ""
-        super().__init__(f"{where}{problem}")
+        what = f"{field}: " if field is not None else ""
+        super().__init__(f"{where}{what}{problem}")

@@ -136,11 +136,24 @@ def test_register_refuses_duplicates_without_replace() -> None:
     assert registry.load(POLICIES, "lru") is ArcPolicy
 
 
-def test_groups_without_entries_are_empty() -> None:
+def test_the_torch_and_memory_transfers_are_builtin_entry_points_that_load() -> None:
+    from kvhex.adapters.memory import MemoryBlockTransfer
+    from kvhex.adapters.torch import TorchBlockTransfer
+
     registry = Registry.discover([TRANSFERS])
-    assert registry.names(TRANSFERS) == []
-    with pytest.raises(PluginError, match="available: none"):
-        registry.load(TRANSFERS, "torch")
+    assert registry.names(TRANSFERS) == ["memory", "torch"]
+    assert registry.load(TRANSFERS, "memory") is MemoryBlockTransfer
+    spec = next(s for s in registry.specs(TRANSFERS) if s.name == "torch")
+    assert spec.distribution == "kvhex"
+    assert spec.value == "kvhex.adapters.torch:TorchBlockTransfer [torch]"
+    assert spec.install_hint() == "pip install 'kvhex[torch]'"
+    assert registry.load(TRANSFERS, "torch") is TorchBlockTransfer
+    report = registry.load_all(TRANSFERS)
+    assert report.failed == ()
+    with pytest.raises(PluginError, match=r"available: .*torch"):
+        registry.load(TRANSFERS, "nope")
+    with pytest.raises(PluginError, match="lacks BlockTransfer methods: submit_store"):
+        registry.register(TRANSFERS, "bad", ArcPolicy)
 
 
 def test_every_event_sink_is_a_builtin_entry_point_that_loads() -> None:

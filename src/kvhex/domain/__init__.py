@@ -38,7 +38,14 @@ from kvhex.domain.tiers import (
     TierIdentity,
     TierMatcher,
 )
-from kvhex.domain.transfer import TransferJob, TransferKind, TransferResult
+from kvhex.domain.transfer import (
+    ByteRange,
+    ChunkRun,
+    SlotLayout,
+    TransferJob,
+    TransferKind,
+    TransferResult,
+)
 from kvhex.domain.translate import EventTranslator
 
 __all__ = [
@@ -48,7 +55,9 @@ __all__ = [
     "ArcPolicy",
     "BlockRemoved",
     "BlockStored",
+    "ByteRange",
     "CacheKind",
+    "ChunkRun",
     "Cleared",
     "EmaBackpressure",
     "EventBatch",
@@ -73,6 +82,7 @@ __all__ = [
     "PublicEvent",
     "Removed",
     "ReqContext",
+    "SlotLayout",
     "StorePlan",
     "Stored",
     "TierEvent",

@@ -14,17 +14,24 @@ them through without reshaping:
 
 A job is immutable by contract and compared by identity; results come back per job id,
 in submission order per direction.
+
+``SlotLayout`` says where a chunk's blocks live inside a host slot (the layout every
+``BlockTransfer`` shares, so any process reading the host bytes agrees on them), checks jobs
+against it, and plans the copies as ``ChunkRun`` values. Pure arithmetic: no torch here.
 """
 
 from __future__ import annotations
 
 import enum
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import NamedTuple
 
-from kvhex.domain.jobs import JobId
+import attrs
 
-__all__ = ["TransferJob", "TransferKind", "TransferResult"]
+from kvhex.domain.jobs import JobId
+from kvhex.errors import TransferError
+
+__all__ = ["ByteRange", "ChunkRun", "SlotLayout", "TransferJob", "TransferKind", "TransferResult"]
 
 
 class TransferKind(enum.Enum):
@@ -107,3 +114,289 @@ class TransferResult(NamedTuple):
     nbytes: int = 0
     seconds: float | None = None
     error: str | None = None
+
+
+class ChunkRun(NamedTuple):
+    """Consecutive chunks of one KV group inside a job: what one planned copy step moves.
+
+    The run's blocks fill positions ``skip .. skip + num_blocks - 1`` of its chunks laid end to
+    end (``num_chunks * blocks_per_chunk`` positions): the first ``skip`` positions of its
+    first chunk and the unfilled tail of its last chunk are not part of the job.
+
+    Attributes:
+        group: the KV group (index into the layout's ``blocks_per_chunk``).
+        slot_pos: index into ``job.slots`` of the run's first chunk.
+        num_chunks: chunks (host slots) the run covers.
+        skip: positions skipped at the start of the first chunk (``0 <= skip < bpc``).
+        block_pos: index into ``job.block_ids`` of the run's first block.
+        num_blocks: device blocks the run moves (at least one).
+    """
+
+    group: int
+    slot_pos: int
+    num_chunks: int
+    skip: int
+    block_pos: int
+    num_blocks: int
+
+
+class ByteRange(NamedTuple):
+    """One contiguous copy between a staging area laid out like the job's slots and the host.
+
+    ``stage`` is the offset in the staging area (row ``i`` is the batch's ``i``-th slot),
+    ``host`` the offset in the host buffer (``slot * slot_bytes + offset in the slot``).
+    """
+
+    stage: int
+    host: int
+    length: int
+
+
+def _ints(values: Iterable[int]) -> tuple[int, ...]:
+    return tuple(values)
+
+
+def _positive_ints(name: str, values: tuple[int, ...]) -> None:
+    for i, value in enumerate(values):
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            raise TransferError(f"entry {i} is {value!r}, must be a positive int", field=name)
+
+
+@attrs.frozen(slots=True)
+class SlotLayout:
+    """Where each registered KV tensor's blocks live inside one host slot.
+
+    A slot holds one chunk of one KV group. Its bytes are split into one region per registered
+    tensor, in registration order, each ``blocks_per_chunk[group] * page_bytes[tensor]`` bytes
+    long; ``slot_bytes`` is the sum of every region (like vLLM's CPU layout, where a slot spans
+    every tensor). Block ``j`` of a chunk of group ``g`` goes to
+    ``region_offsets[t] + j * page_bytes[t]`` for every tensor ``t`` of group ``g``; the regions
+    of the other groups' tensors in that slot are left alone.
+
+    Attributes:
+        page_bytes: bytes of one device block, per tensor.
+        tensor_groups: the KV group of each tensor (its position in a job's group order).
+        blocks_per_chunk: device blocks per chunk (per host slot), per group.
+        region_offsets: where each tensor's region starts inside a slot.
+        slot_bytes: bytes per slot.
+        group_tensors: the tensors of each group, in registration order.
+
+    Raises:
+        TransferError: naming the argument, for empty or non-positive sizes, a tensor whose
+            group is outside ``0 .. len(blocks_per_chunk) - 1``, or a group with no tensor.
+    """
+
+    page_bytes: tuple[int, ...] = attrs.field(converter=_ints)
+    tensor_groups: tuple[int, ...] = attrs.field(converter=_ints)
+    blocks_per_chunk: tuple[int, ...] = attrs.field(converter=_ints)
+    region_offsets: tuple[int, ...] = attrs.field(init=False, eq=False, repr=False)
+    slot_bytes: int = attrs.field(init=False, eq=False)
+    group_tensors: tuple[tuple[int, ...], ...] = attrs.field(init=False, eq=False, repr=False)
+    # per group: the merged (offset, length) spans a full chunk writes inside its slot
+    _full_spans: tuple[tuple[tuple[int, int], ...], ...] = attrs.field(
+        init=False, eq=False, repr=False
+    )
+
+    def __attrs_post_init__(self) -> None:
+        if not self.page_bytes:
+            raise TransferError("no KV cache tensor registered", field="kv_caches")
+        if len(self.tensor_groups) != len(self.page_bytes):
+            raise TransferError(
+                f"{len(self.tensor_groups)} entries for {len(self.page_bytes)} tensors",
+                field="tensor_groups",
+            )
+        if not self.blocks_per_chunk:
+            raise TransferError("no KV group", field="blocks_per_chunk")
+        _positive_ints("page_bytes", self.page_bytes)
+        _positive_ints("blocks_per_chunk", self.blocks_per_chunk)
+        num_groups = len(self.blocks_per_chunk)
+        members: list[list[int]] = [[] for _ in range(num_groups)]
+        for t, group in enumerate(self.tensor_groups):
+            if isinstance(group, bool) or not isinstance(group, int):
+                raise TransferError(
+                    f"tensor {t}: group {group!r} is not an int", field="tensor_groups"
+                )
+            if not 0 <= group < num_groups:
+                raise TransferError(
+                    f"tensor {t}: group {group} outside 0..{num_groups - 1} "
+                    f"(blocks_per_chunk names {num_groups} groups)",
+                    field="tensor_groups",
+                )
+            members[group].append(t)
+        empty = [g for g, tensors in enumerate(members) if not tensors]
+        if empty:
+            raise TransferError(f"group(s) {empty} have no tensor", field="tensor_groups")
+        offsets = []
+        offset = 0
+        for page, group in zip(self.page_bytes, self.tensor_groups, strict=True):
+            offsets.append(offset)
+            offset += self.blocks_per_chunk[group] * page
+        object.__setattr__(self, "region_offsets", tuple(offsets))
+        object.__setattr__(self, "slot_bytes", offset)
+        object.__setattr__(self, "group_tensors", tuple(tuple(m) for m in members))
+        object.__setattr__(
+            self,
+            "_full_spans",
+            tuple(self._spans(g, 0, self.blocks_per_chunk[g]) for g in range(num_groups)),
+        )
+
+    @property
+    def num_groups(self) -> int:
+        """KV groups (entries of a job's ``group_sizes``)."""
+        return len(self.blocks_per_chunk)
+
+    def _spans(self, group: int, first: int, end: int) -> tuple[tuple[int, int], ...]:
+        """Merged (offset, length) spans of positions ``first .. end - 1`` of a chunk."""
+        spans: list[tuple[int, int]] = []
+        for t in self.group_tensors[group]:
+            page = self.page_bytes[t]
+            start = self.region_offsets[t] + first * page
+            length = (end - first) * page
+            if spans and spans[-1][0] + spans[-1][1] == start:
+                spans[-1] = (spans[-1][0], spans[-1][1] + length)
+            else:
+                spans.append((start, length))
+        return tuple(spans)
+
+    def plan(
+        self, job: TransferJob, *, num_slots: int, num_blocks: Sequence[int]
+    ) -> tuple[ChunkRun, ...]:
+        """Check ``job`` against this layout and split it into one run per non-empty group.
+
+        ``num_blocks[g]`` is the number of device blocks of group ``g``; ``num_slots`` the
+        host slots. Group ``g`` skips ``block_indices[g] % blocks_per_chunk[g]`` positions
+        and covers ``ceil((skip + group_sizes[g]) / blocks_per_chunk[g])`` slots; empty groups
+        cover none.
+
+        Raises:
+            TransferError: naming the job and the field: a group count that differs from the
+                layout's, a block id or slot out of range, a slot count that does not match
+                the blocks and skips, a slot written twice by a store, a device block written
+                twice by a load.
+        """
+        job_id = job.job_id
+        sizes = job.group_sizes
+        if len(sizes) != len(self.blocks_per_chunk):
+            raise TransferError(
+                f"{len(sizes)} groups, the registered layout has {len(self.blocks_per_chunk)}",
+                job_id=job_id,
+                field="group_sizes",
+            )
+        block_ids = job.block_ids
+        runs: list[ChunkRun] = []
+        slot_pos = 0
+        block_pos = 0
+        for group, (size, index) in enumerate(zip(sizes, job.block_indices, strict=True)):
+            if size == 0:
+                continue
+            per_chunk = self.blocks_per_chunk[group]
+            skip = index % per_chunk
+            chunks = (skip + size + per_chunk - 1) // per_chunk
+            ids = block_ids[block_pos : block_pos + size]
+            highest = max(ids)
+            if highest >= num_blocks[group]:
+                raise TransferError(
+                    f"block {highest} of group {group} outside 0..{num_blocks[group] - 1}",
+                    job_id=job_id,
+                    field="block_ids",
+                )
+            if job.kind is TransferKind.LOAD and len(set(ids)) != size:
+                raise TransferError(
+                    f"group {group} names a device block twice (a load would write it twice)",
+                    job_id=job_id,
+                    field="block_ids",
+                )
+            runs.append(ChunkRun(group, slot_pos, chunks, skip, block_pos, size))
+            slot_pos += chunks
+            block_pos += size
+        slots = job.slots
+        if slot_pos != len(slots):
+            need = ", ".join(f"group {r.group}: {r.num_chunks}" for r in runs) or "none"
+            raise TransferError(
+                f"{len(slots)} slots, but the blocks and skips need {slot_pos} ({need})",
+                job_id=job_id,
+                field="slots",
+            )
+        if slots:
+            highest = max(slots)
+            if highest >= num_slots:
+                raise TransferError(
+                    f"slot {highest} outside 0..{num_slots - 1}", job_id=job_id, field="slots"
+                )
+            if job.kind is TransferKind.STORE and len(set(slots)) != len(slots):
+                raise TransferError(
+                    "a slot appears twice (a store would write it twice)",
+                    job_id=job_id,
+                    field="slots",
+                )
+        return tuple(runs)
+
+    def batches(self, runs: Sequence[ChunkRun], max_chunks: int) -> list[tuple[ChunkRun, ...]]:
+        """Split planned runs into batches of at most ``max_chunks`` slots each, cutting runs
+        at chunk boundaries (each batch then fits a staging area of ``max_chunks`` slots).
+        Batches cover consecutive slots and consecutive block ids of the job."""
+        if max_chunks < 1:
+            raise ValueError(f"max_chunks must be >= 1, got {max_chunks}")
+        batches: list[tuple[ChunkRun, ...]] = []
+        current: list[ChunkRun] = []
+        room = max_chunks
+        for whole in runs:
+            run = whole
+            while run.num_chunks > room:
+                # the first ``room`` chunks are full but for the skipped head of the first
+                head_blocks = room * self.blocks_per_chunk[run.group] - run.skip
+                current.append(run._replace(num_chunks=room, num_blocks=head_blocks))
+                batches.append(tuple(current))
+                run = ChunkRun(
+                    run.group,
+                    run.slot_pos + room,
+                    run.num_chunks - room,
+                    0,
+                    run.block_pos + head_blocks,
+                    run.num_blocks - head_blocks,
+                )
+                current, room = [], max_chunks
+            if run.num_chunks:
+                current.append(run)
+                room -= run.num_chunks
+            if room == 0:
+                batches.append(tuple(current))
+                current, room = [], max_chunks
+        if current:
+            batches.append(tuple(current))
+        return batches
+
+    def byte_ranges(self, runs: Sequence[ChunkRun], slots: Sequence[int]) -> list[ByteRange]:
+        """The host bytes a batch of runs touches, as copies to or from a staging area whose
+        row ``i`` is the batch's ``i``-th slot; adjacent copies are merged.
+
+        Exactly the bytes of the job's blocks: skipped positions, the unfilled tail of a last
+        chunk and other groups' regions are never part of a range (a store leaves them as they
+        were).
+        """
+        slot_bytes = self.slot_bytes
+        ranges: list[ByteRange] = []
+        if not runs:
+            return ranges
+        first_pos = runs[0].slot_pos
+        for run in runs:
+            per_chunk = self.blocks_per_chunk[run.group]
+            full = self._full_spans[run.group]
+            end = run.skip + run.num_blocks
+            for c in range(run.num_chunks):
+                lo = run.skip if c == 0 else 0
+                hi = min(per_chunk, end - c * per_chunk)
+                spans = full if lo == 0 and hi == per_chunk else self._spans(run.group, lo, hi)
+                pos = run.slot_pos + c
+                stage_base = (pos - first_pos) * slot_bytes
+                host_base = slots[pos] * slot_bytes
+                for offset, length in spans:
+                    stage = stage_base + offset
+                    host = host_base + offset
+                    if ranges:
+                        last = ranges[-1]
+                        if last.stage + last.length == stage and last.host + last.length == host:
+                            ranges[-1] = ByteRange(last.stage, last.host, last.length + length)
+                            continue
+                    ranges.append(ByteRange(stage, host, length))
+        return ranges

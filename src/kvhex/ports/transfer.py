@@ -25,7 +25,9 @@ class BlockTransfer(Protocol):
         """Copy ``job.block_ids`` from the device into ``job.slots``, asynchronously.
 
         On a GPU the copy waits for the work already queued on the compute stream (the model's
-        writes to those blocks). Raises ``TransferError`` for a job that does not fit the
+        writes to those blocks), but not for work queued later: the blocks must not be
+        overwritten until the job's result was polled (vLLM fences block reuse by job id).
+        Raises ``TransferError`` (naming the job and the field) for a job that does not fit the
         registered layout (a block id or slot out of range, a slot count that does not match
         the blocks); never for a copy failure, which is a failed ``TransferResult``.
         """

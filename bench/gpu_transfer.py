@@ -1,0 +1,184 @@
+"""Device <-> host throughput of kvhex's TorchBlockTransfer beside a raw contiguous copy.
+
+For each chunk size (2 MiB and 256 KiB by default) of a ``--layers``-layer layout (one KV
+tensor per layer, ``--blocks-per-chunk`` device blocks per chunk, so a layer's page is
+``chunk / (layers * blocks_per_chunk)`` bytes), ``--total-mib`` of chunks go device -> host
+(store) and host -> device (load) through ``TorchBlockTransfer`` in jobs of
+``--chunks-per-job`` chunks, with shuffled host slots and shuffled device blocks (nothing
+merges by luck). The baseline, measured in the same run and alternated with kvhex, copies the
+same number of bytes between one contiguous device tensor and one pinned host tensor (plain
+host memory on the CPU). Prints medians of ``--repeats`` passes and the ratio.
+
+    python bench/gpu_transfer.py                      # CUDA when available, else the CPU
+    python bench/gpu_transfer.py --device cpu --total-mib 256
+
+A plain script, never a timed test. Buffers are touched once before timing (page faults).
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+
+from kvhex.adapters.torch import TorchBlockTransfer, TorchHostBuffer
+from kvhex.domain import JobId, TransferJob, TransferKind
+
+KiB = 1 << 10
+MiB = 1 << 20
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _timed(fn: Callable[[], None], device: torch.device) -> float:
+    _sync(device)
+    began = time.perf_counter()
+    fn()
+    _sync(device)
+    return time.perf_counter() - began
+
+
+class KvhexRun:
+    """Stores then loads every chunk of the host buffer through one TorchBlockTransfer."""
+
+    def __init__(self, args: argparse.Namespace, device: torch.device, chunk: int) -> None:
+        self.device = device
+        self.per_chunk = args.blocks_per_chunk
+        page = chunk // (args.layers * self.per_chunk)
+        self.slot_bytes = page * args.layers * self.per_chunk
+        self.num_slots = max(1, args.total_mib * MiB // self.slot_bytes)
+        num_blocks = self.num_slots * self.per_chunk
+        self.caches = [
+            torch.full((num_blocks, page), layer % 251, dtype=torch.uint8, device=device)
+            for layer in range(args.layers)
+        ]
+        self.host = TorchHostBuffer(self.num_slots, self.slot_bytes)
+        self.host.tensor.fill_(1)
+        self.transfer = TorchBlockTransfer(
+            self.host,
+            self.caches,
+            tensor_groups=[0] * args.layers,
+            blocks_per_chunk=[self.per_chunk],
+        )
+        rng = random.Random(7)
+        slots = list(range(self.num_slots))
+        blocks = list(range(num_blocks))
+        rng.shuffle(slots)
+        rng.shuffle(blocks)
+        step = args.chunks_per_job
+        self.plans = [
+            (slots[i : i + step], blocks[i * self.per_chunk : (i + step) * self.per_chunk])
+            for i in range(0, self.num_slots, step)
+        ]
+        self.next_id = 0
+        self.nbytes = self.num_slots * self.slot_bytes
+
+    def _run(self, kind: TransferKind) -> None:
+        store = kind is TransferKind.STORE
+        submit = self.transfer.submit_store if store else self.transfer.submit_load
+        ids = []
+        for slots, blocks in self.plans:
+            job = TransferJob(JobId(self.next_id), kind, slots, blocks)
+            self.next_id += 1
+            submit(job)
+            ids.append(job.job_id)
+        self.transfer.wait(ids)
+        results = self.transfer.poll()
+        assert len(results) == len(ids)
+        assert all(r.success for r in results), [r.error for r in results if not r.success]
+
+    def store(self) -> None:
+        self._run(TransferKind.STORE)
+
+    def load(self) -> None:
+        self._run(TransferKind.LOAD)
+
+    def check(self) -> None:
+        """The first job's first chunk landed where the layout says (spot check)."""
+        slots, blocks = self.plans[0]
+        page = self.caches[0].shape[1]
+        row = self.host.tensor[slots[0]]
+        for layer in (0, len(self.caches) - 1):
+            region = row[layer * self.per_chunk * page : (layer + 1) * self.per_chunk * page]
+            want = self.caches[layer][blocks[: self.per_chunk]].flatten().cpu()
+            assert torch.equal(region, want), f"layer {layer} bytes differ"
+
+    def close(self) -> None:
+        self.transfer.close()
+        self.host.close()
+
+
+class RawRun:
+    """The baseline: one contiguous copy of the same bytes each way."""
+
+    def __init__(self, device: torch.device, nbytes: int) -> None:
+        self.device_bytes = torch.full((nbytes,), 3, dtype=torch.uint8, device=device)
+        pin = device.type == "cuda"
+        self.host_bytes = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
+        self.host_bytes.fill_(1)
+
+    def store(self) -> None:
+        self.host_bytes.copy_(self.device_bytes, non_blocking=True)
+
+    def load(self) -> None:
+        self.device_bytes.copy_(self.host_bytes, non_blocking=True)
+
+
+def _label(nbytes: int) -> str:
+    return f"{nbytes // MiB} MiB" if nbytes >= MiB else f"{nbytes // KiB} KiB"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--chunk-kib", default="2048,256", help="chunk sizes in KiB")
+    parser.add_argument("--layers", type=int, default=32)
+    parser.add_argument("--blocks-per-chunk", type=int, default=4)
+    parser.add_argument("--chunks-per-job", type=int, default=16)
+    parser.add_argument("--total-mib", type=int, default=None, help="bytes per pass")
+    parser.add_argument("--repeats", type=int, default=5)
+    args = parser.parse_args()
+    device = torch.device(args.device)
+    if args.total_mib is None:
+        args.total_mib = 2048 if device.type == "cuda" else 256
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    print(
+        f"device {name}, {args.layers} layers, {args.blocks_per_chunk} blocks per chunk, "
+        f"{args.chunks_per_job} chunks per job, {args.total_mib} MiB per pass, "
+        f"medians of {args.repeats}; torch {torch.__version__}, "
+        f"{torch.get_num_threads()} CPU threads"
+    )
+    print(f"{'chunk':<8} {'direction':<9} {'kvhex GB/s':>10} {'raw GB/s':>9} {'ratio':>6}")
+    for chunk in (int(kib) * KiB for kib in args.chunk_kib.split(",")):
+        run = KvhexRun(args, device, chunk)
+        raw = RawRun(device, run.nbytes)
+        times: dict[str, list[float]] = {k: [] for k in ("store", "load", "raw_s", "raw_l")}
+        run.store()  # warm-up: staging buffers, CUDA context, page faults
+        run.check()
+        run.load()
+        raw.store()
+        raw.load()
+        for _ in range(args.repeats):
+            times["store"].append(_timed(run.store, device))
+            times["raw_s"].append(_timed(raw.store, device))
+            times["load"].append(_timed(run.load, device))
+            times["raw_l"].append(_timed(raw.load, device))
+        for direction, mine, base in (("store", "store", "raw_s"), ("load", "load", "raw_l")):
+            ours = run.nbytes / statistics.median(times[mine]) / 1e9
+            theirs = run.nbytes / statistics.median(times[base]) / 1e9
+            print(
+                f"{_label(run.slot_bytes):<8} {direction:<9} {ours:>10.2f} {theirs:>9.2f} "
+                f"{ours / theirs:>6.2f}"
+            )
+        run.close()
+
+
+if __name__ == "__main__":
+    main()
