@@ -16,11 +16,11 @@ import pytest
 
 pytest.importorskip("vllm", reason="needs vLLM 0.33 (make test runs this in .venv-vllm)")
 
-from vllm.v1.kv_offload.base import OffloadingEvent, ReqContext  # noqa: E402
-from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager  # noqa: E402
+from vllm.v1.kv_offload.base import OffloadingEvent, ReqContext
+from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager
 
-from kvhex.adapters.vllm import KvhexOffloadingManager, KvhexOffloadingSpec  # noqa: E402
-from tests.vllm.helpers import PAGE, key, offloading_config  # noqa: E402
+from kvhex.adapters.vllm import KvhexOffloadingManager, KvhexOffloadingSpec
+from tests.vllm.helpers import PAGE, key, offloading_config
 
 
 @pytest.fixture
@@ -127,9 +127,7 @@ def test_random_call_sequences_give_equal_answers_slots_evictions_and_events(
             theirs.complete_store(keys, vctx, success)
             ours.complete_store(keys, kctx, success)
         elif op < 0.72:
-            hits = [
-                key(i) for i in range(14) if theirs.lookup(key(i), vctx).name == "HIT"
-            ]
+            hits = [key(i) for i in range(14) if theirs.lookup(key(i), vctx).name == "HIT"]
             if hits:
                 keys = rng.sample(hits, rng.randint(1, len(hits)))
                 a = theirs.prepare_load(keys, vctx).block_ids.tolist()
@@ -185,6 +183,7 @@ def test_deliberate_difference_lru_ignores_request_positions_and_finish(pair: An
         m.complete_store([key(3), key(4), key(5)], second)
         m.on_request_finished(first)
         victims.append(_store(m, [key(9)], second))
-    assert victims[0] is not None and victims[1] is not None
+    assert victims[0] is not None
+    assert victims[1] is not None
     assert victims[0][2] == [key(3)]  # vLLM: request a's finish made its chunks recent
     assert victims[1][2] == [key(0)]  # kvhex: the oldest store goes first
