@@ -20,7 +20,7 @@ VLLM_DEPS := msgspec==0.23.0 psutil==7.2.2 pyzmq==27.3.0 cbor2==6.3.0 transforme
 	pillow==13.0.0 openai-harmony==0.0.8 openai==3.57.0 pybase64==1.5.1 cachetools==8.0.2 \
 	cloudpickle==3.1.3 uvloop==0.23.0 py-cpuinfo==9.0.0 prometheus_client==0.26.0 \
 	xgrammar==0.2.8 fastapi==0.136.3 partial-json-parser==0.2.1.1.post7 llguidance==1.7.6 \
-	pydantic==2.14.4
+	pydantic==2.14.4 einops==0.8.2
 
 .PHONY: test check lint typecheck layers pytest vllm-test bench clean
 
