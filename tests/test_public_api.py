@@ -35,6 +35,9 @@ PUBLIC = [
     "kvhex.adapters.zmq",
     "kvhex.adapters.fsspec",
     "kvhex.adapters.nixl",
+    "kvhex.adapters.vllm.settings",
+    "kvhex.adapters.vllm.compose",
+    "kvhex.adapters.vllm.plugin",
 ]
 
 
