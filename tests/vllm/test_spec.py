@@ -99,3 +99,29 @@ def test_events_stay_off_when_vllm_events_are_off() -> None:
     manager.complete_store([key(1)], ctx)
     assert list(manager.take_events()) == []
     manager.shutdown()
+
+
+def test_promotions_wait_after_a_reset_until_vllm_reports_the_flush(tmp_path: Path) -> None:
+    """As vLLM's tiering manager: a late device copy may still write freed host slots."""
+    from vllm.v1.kv_offload.base import LookupResult, ReqContext, ScheduleEndContext
+
+    from tests.vllm.helpers import key
+
+    extra = {
+        "cpu_bytes_to_use": 4 * PAGE,
+        "secondary_tiers": [{"type": "fs", "root_dir": str(tmp_path / "kv")}],
+    }
+    manager = KvhexOffloadingSpec(offloading_config(extra)).get_manager()
+    ctx = ReqContext("r")
+    manager.on_new_request(ctx)
+    assert manager.prepare_store([key(1)], ctx) is not None
+    manager.complete_store([key(1)], ctx)
+    while manager.has_pending_work():
+        manager.on_schedule_end(ScheduleEndContext((), ()))
+    manager.reset_cache()
+    assert manager.lookup(key(1), ctx) is LookupResult.MISS  # held: host tier only
+    manager.on_schedule_end(ScheduleEndContext((), ()))
+    assert manager.lookup(key(1), ctx) is LookupResult.MISS
+    manager.on_reset_flushed()
+    assert manager.lookup(key(1), ctx) is LookupResult.RETRY  # the file tier is asked again
+    manager.shutdown()

@@ -79,6 +79,10 @@ class KvhexOffloadingManager(vbase.OffloadingManager):
         self._on_shutdown = on_shutdown
         self._shut = False
         self._incoming: Any = None
+        # after a reset, until vLLM's workers reported every job in flight at the reset, no
+        # promotion may write into host slots a late device copy could still write (vLLM's
+        # tiering manager holds promotions the same way)
+        self._promotions_held = False
 
     # -- kvhex-side access ---------------------------------------------------------------
     @property
@@ -113,6 +117,8 @@ class KvhexOffloadingManager(vbase.OffloadingManager):
 
     # -- OffloadingManager ---------------------------------------------------------------
     def lookup(self, key: OffloadKey, req_context: vbase.ReqContext) -> vbase.LookupResult:
+        if self._promotions_held:
+            return LOOKUP[self._engine.manager.primary.lookup(key)]
         return LOOKUP[self._engine.lookup(key, self._ctx(req_context))]
 
     def get_load_source(self, key: OffloadKey, req_context: vbase.ReqContext) -> Any:
@@ -182,6 +188,10 @@ class KvhexOffloadingManager(vbase.OffloadingManager):
 
     def reset_cache(self) -> None:
         self._engine.reset()
+        self._promotions_held = bool(self._engine.stats().tiers)
+
+    def on_reset_flushed(self) -> None:
+        self._promotions_held = False
 
     def shutdown(self) -> None:
         if self._shut:
