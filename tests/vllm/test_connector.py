@@ -8,6 +8,7 @@ reported finished by job id, as a worker would; host bytes are written by the te
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -65,10 +66,23 @@ def _registered() -> None:
     register()
 
 
-def test_full_provenance_for_host_stores_late_tier_stores_and_promotions(tmp_path: Path) -> None:
+@pytest.fixture
+def connectors() -> Iterator[list[Any]]:
+    """Connectors the test builds; shut down (releasing vLLM's shared region) however the
+    test ends."""
+    built: list[Any] = []
+    yield built
+    for connector in built:
+        connector.shutdown()
+
+
+def test_full_provenance_for_host_stores_late_tier_stores_and_promotions(
+    tmp_path: Path, connectors: list[Any]
+) -> None:
     connector = scheduler_connector(
         tmp_path / "model", _extra(tmp_path / "kv"), "KvhexOffloadingConnector"
     )
+    connectors.append(connector)
     assert isinstance(connector, KvhexOffloadingConnector)
     manager = connector.connector_scheduler.manager
     assert isinstance(manager, KvhexOffloadingManager)
@@ -139,14 +153,16 @@ def test_full_provenance_for_host_stores_late_tier_stores_and_promotions(tmp_pat
     handed = [*cpu, *storage, removed, *promoted]
     assert sorted(map(repr, decoded)) == sorted(map(repr, handed))
     assert len(decoded) == len(handed)
-    connector.shutdown()
 
 
-def test_stock_connector_with_kvhex_spec_uses_vllms_own_tracker(tmp_path: Path) -> None:
+def test_stock_connector_with_kvhex_spec_uses_vllms_own_tracker(
+    tmp_path: Path, connectors: list[Any]
+) -> None:
     """Drop-in: only ``spec_name`` changed; vLLM's connector and its events tracker."""
     connector = scheduler_connector(
         tmp_path / "model", _extra(tmp_path / "kv"), "OffloadingConnector"
     )
+    connectors.append(connector)
     assert type(connector) is OffloadingConnector
     assert isinstance(connector.connector_scheduler.manager, KvhexOffloadingManager)
     driver = Driver(connector)
@@ -160,14 +176,14 @@ def test_stock_connector_with_kvhex_spec_uses_vllms_own_tracker(tmp_path: Path) 
     driver.finish(req)
     _until(driver, lambda: len(_stored(driver.events, "STORAGE")) == 4)
     assert {e.ownership for e in _stored(driver.events, "STORAGE")} == {"fs"}
-    connector.shutdown()
 
 
 def test_kvhex_connector_with_vllms_own_spec_behaves_like_vllms_connector(
-    tmp_path: Path,
+    tmp_path: Path, connectors: list[Any]
 ) -> None:
     extra = {"cpu_bytes_to_use": 32 * PAGE, "self_describing_kv_events": True}
     connector = scheduler_connector(tmp_path / "model", extra, "KvhexOffloadingConnector")
+    connectors.append(connector)
     assert not isinstance(connector.connector_scheduler.manager, KvhexOffloadingManager)
     driver = Driver(connector)
     req = request("r1", PROMPT)
@@ -176,7 +192,6 @@ def test_kvhex_connector_with_vllms_own_spec_behaves_like_vllms_connector(
     meta = driver.prefill(req)
     driver.complete(list(meta.store_jobs))
     assert len(_stored(driver.events, "CPU")) == 4
-    connector.shutdown()
 
 
 @pytest.mark.parametrize(

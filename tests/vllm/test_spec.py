@@ -5,7 +5,9 @@ from __future__ import annotations
 import inspect
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -22,6 +24,15 @@ from kvhex.adapters.vllm import (
 )
 from kvhex.errors import ConfigError
 from tests.vllm.helpers import PAGE, offloading_config
+
+
+@pytest.fixture
+def managers() -> Iterator[list[Any]]:
+    """Managers the test builds; shut down (releasing vLLM's shared region) however it ends."""
+    built: list[Any] = []
+    yield built
+    for manager in built:
+        manager.shutdown()
 
 
 def test_the_adapters_implement_every_abstract_method() -> None:
@@ -59,7 +70,9 @@ def test_vllm_loads_the_general_plugin_which_registers_every_name() -> None:
     ]
 
 
-def test_the_spec_factory_builds_it_from_a_module_path_alone(tmp_path: Path) -> None:
+def test_the_spec_factory_builds_it_from_a_module_path_alone(
+    tmp_path: Path, managers: list[Any]
+) -> None:
     extra = {
         "spec_name": "KvhexOffloadingSpec",
         "spec_module_path": "kvhex.adapters.vllm",
@@ -70,6 +83,7 @@ def test_the_spec_factory_builds_it_from_a_module_path_alone(tmp_path: Path) -> 
     spec = OffloadingSpecFactory.create_spec(offloading_config(extra))
     assert isinstance(spec, KvhexOffloadingSpec)
     manager = spec.get_manager()
+    managers.append(manager)
     assert spec.get_manager() is manager
     assert isinstance(manager, KvhexOffloadingManager)
     stats = manager.stats()
@@ -86,9 +100,10 @@ def test_host_memory_too_small_for_one_chunk_is_a_config_error() -> None:
     assert err.value.paths == ("$.cpu_bytes_to_use",)
 
 
-def test_events_stay_off_when_vllm_events_are_off() -> None:
+def test_events_stay_off_when_vllm_events_are_off(managers: list[Any]) -> None:
     spec = KvhexOffloadingSpec(offloading_config({"cpu_bytes_to_use": 4 * PAGE}, events=False))
     manager = spec.get_manager()
+    managers.append(manager)
     from vllm.v1.kv_offload.base import ReqContext
 
     from tests.vllm.helpers import key
@@ -98,10 +113,11 @@ def test_events_stay_off_when_vllm_events_are_off() -> None:
     assert manager.prepare_store([key(1)], ctx) is not None
     manager.complete_store([key(1)], ctx)
     assert list(manager.take_events()) == []
-    manager.shutdown()
 
 
-def test_promotions_wait_after_a_reset_until_vllm_reports_the_flush(tmp_path: Path) -> None:
+def test_promotions_wait_after_a_reset_until_vllm_reports_the_flush(
+    tmp_path: Path, managers: list[Any]
+) -> None:
     """As vLLM's tiering manager: a late device copy may still write freed host slots."""
     from vllm.v1.kv_offload.base import LookupResult, ReqContext, ScheduleEndContext
 
@@ -112,6 +128,7 @@ def test_promotions_wait_after_a_reset_until_vllm_reports_the_flush(tmp_path: Pa
         "secondary_tiers": [{"type": "fs", "root_dir": str(tmp_path / "kv")}],
     }
     manager = KvhexOffloadingSpec(offloading_config(extra)).get_manager()
+    managers.append(manager)
     ctx = ReqContext("r")
     manager.on_new_request(ctx)
     assert manager.prepare_store([key(1)], ctx) is not None
@@ -124,4 +141,3 @@ def test_promotions_wait_after_a_reset_until_vllm_reports_the_flush(tmp_path: Pa
     assert manager.lookup(key(1), ctx) is LookupResult.MISS
     manager.on_reset_flushed()
     assert manager.lookup(key(1), ctx) is LookupResult.RETRY  # the file tier is asked again
-    manager.shutdown()
