@@ -1,24 +1,48 @@
 # kvhex developer commands. `make test` works on a fresh machine: it builds .venv from
 # nothing (torch==2.13.0 first, so no CUDA build is ever pulled), installs kvhex with its test
-# extras, and runs every check CI runs.
+# extras, and runs every check CI runs. It also builds .venv-vllm, a second environment with
+# vLLM 0.33.0 (installed with --no-deps, plus the few packages its offloading code imports on
+# CPU), where the tests in tests/vllm run against vLLM's real classes; in .venv they skip.
 
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.kvhex-installed
+PIP := -m pip install --quiet --disable-pip-version-check
 
-.PHONY: test check lint typecheck layers pytest bench clean
+VLLM_VENV ?= .venv-vllm
+VBIN := $(VLLM_VENV)/bin
+VSTAMP := $(VLLM_VENV)/.kvhex-installed
+# What vLLM 0.33's offloading connector, kv_offload and kv_events modules import on CPU torch
+# (environment.md), pinned. vLLM itself goes in with --no-deps: its full dependency set pulls
+# CUDA builds and several GB that none of these modules need.
+VLLM_DEPS := msgspec==0.23.0 psutil==7.2.2 pyzmq==27.3.0 cbor2==6.3.0 transformers==5.20.2 \
+	pillow==13.0.0 openai-harmony==0.0.8 openai==3.57.0 pybase64==1.5.1 cachetools==8.0.2 \
+	cloudpickle==3.1.3 uvloop==0.23.0 py-cpuinfo==9.0.0 prometheus_client==0.26.0 \
+	xgrammar==0.2.8 fastapi==0.136.3 partial-json-parser==0.2.1.1.post7 llguidance==1.7.6 \
+	pydantic==2.14.4 einops==0.8.2
 
-test: $(STAMP) check
+.PHONY: test check lint typecheck layers pytest vllm-test bench clean
+
+test: $(STAMP) check vllm-test
 
 check: lint typecheck layers pytest
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install --quiet --disable-pip-version-check --upgrade pip
-	$(BIN)/python -m pip install --quiet --disable-pip-version-check torch==2.13.0
-	$(BIN)/python -m pip install --quiet --disable-pip-version-check -e '.[test,dev,testing]'
+	$(BIN)/python $(PIP) --upgrade pip
+	$(BIN)/python $(PIP) torch==2.13.0
+	$(BIN)/python $(PIP) -e '.[test,dev,testing]'
 	touch $(STAMP)
+
+$(VSTAMP): pyproject.toml Makefile
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VBIN)/python $(PIP) --upgrade pip
+	$(VBIN)/python $(PIP) torch==2.13.0
+	$(VBIN)/python $(PIP) --no-deps vllm==0.33.0
+	$(VBIN)/python $(PIP) torch==2.13.0 $(VLLM_DEPS)
+	$(VBIN)/python $(PIP) torch==2.13.0 -e '.[test,testing]'
+	touch $(VSTAMP)
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests bench
@@ -33,8 +57,12 @@ layers: $(STAMP)
 pytest: $(STAMP)
 	$(BIN)/pytest
 
+# The vLLM integration tests, and the wire test that decodes kvhex's bytes with vLLM's decoder.
+vllm-test: $(VSTAMP)
+	$(VBIN)/pytest tests/vllm tests/adapters/test_wire.py
+
 bench: $(STAMP)
 	$(BIN)/python bench/primary_tier.py
 
 clean:
-	rm -rf $(VENV) .mypy_cache .ruff_cache build dist
+	rm -rf $(VENV) $(VLLM_VENV) .mypy_cache .ruff_cache build dist

@@ -39,6 +39,9 @@ PUBLIC = [
     "kvhex.adapters.torch.host",
     "kvhex.adapters.torch.staging",
     "kvhex.adapters.torch.transfer",
+    "kvhex.adapters.vllm.settings",
+    "kvhex.adapters.vllm.compose",
+    "kvhex.adapters.vllm.plugin",
 ]
 
 

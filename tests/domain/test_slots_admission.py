@@ -49,11 +49,24 @@ def test_tracker_counts_distinct_offers_and_ages_out_lru() -> None:
 
 def test_tracker_never_drops_a_key_of_the_current_offer() -> None:
     tracker = OfferTracker(threshold=2, max_size=2)
-    offer = keys(1, 2, 3)
-    tracker.offer(offer)
-    assert all(tracker.count(k) == 1 for k in offer)
-    tracker.offer(keys(1))
+    tracker.offer(keys(1, 2))
+    # 1 and 2 are offered again: 3 finds no entry it may drop, so (as in vLLM) it is not
+    # tracked, and the tracker never grows past its bound
+    tracker.offer(keys(1, 2, 3))
+    assert [tracker.count(k) for k in keys(1, 2, 3)] == [2, 2, 0]
+    assert len(tracker) == 2
     assert tracker.admitted(keys(1)[0])
+
+
+def test_tracker_bumps_known_keys_before_new_ones_take_the_oldest_entries() -> None:
+    """vLLM's order: re-offered keys become most recent first, then each new key replaces
+    the oldest entry not offered now; the recency order decides later drops."""
+    tracker = OfferTracker(threshold=2, max_size=4)
+    tracker.offer(keys(2, 4, 1, 5))
+    tracker.offer(keys(8, 1, 5, 3))  # 1, 5 bumped; 8 replaces 2, 3 replaces 4
+    assert [tracker.count(k) for k in keys(1, 2, 3, 4, 5, 8)] == [2, 0, 1, 0, 2, 1]
+    tracker.offer(keys(9))  # the oldest now is 1 (bumped before 8 and 3 entered)
+    assert [tracker.count(k) for k in keys(1, 5, 8, 3, 9)] == [0, 2, 1, 1, 1]
 
 
 @pytest.mark.parametrize(("threshold", "size"), [(0, 1), (2, 0), (True, 5), (2, -3)])

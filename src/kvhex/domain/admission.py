@@ -31,25 +31,28 @@ class OfferTracker:
         self._counts: OrderedDict[OffloadKey, int] = OrderedDict()
 
     def offer(self, keys: Sequence[OffloadKey]) -> None:
-        """Count one offer of each distinct key in ``keys``."""
+        """Count one offer of each distinct key in ``keys``, in vLLM's order: keys already
+        tracked are counted and become most recent first, then new keys enter at one, each
+        dropping the least recently offered entry not offered now when the tracker is full
+        (a new key that finds only such entries is not tracked)."""
         counts = self._counts
         offered = dict.fromkeys(keys)
+        protected = 0
         for key in offered:
             if key in counts:
                 counts[key] += 1
                 counts.move_to_end(key)
-            else:
-                counts[key] = 1
-        if len(counts) > self.max_size:
-            excess = len(counts) - self.max_size
-            victims = []
-            for key in counts:
-                if key not in offered:
-                    victims.append(key)
-                    if len(victims) == excess:
-                        break
-            for key in victims:
-                del counts[key]
+                protected += 1
+        droppable = len(counts) - protected  # the oldest entries, before every offered one
+        for key in offered:
+            if key in counts:
+                continue
+            if len(counts) >= self.max_size:
+                if droppable == 0:
+                    continue
+                counts.popitem(last=False)
+                droppable -= 1
+            counts[key] = 1
 
     def admitted(self, key: OffloadKey) -> bool:
         """True once ``key`` was offered at least ``threshold`` times (and not aged out)."""

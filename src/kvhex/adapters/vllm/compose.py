@@ -1,0 +1,214 @@
+"""Building kvhex's engine for vLLM from checked settings (no vLLM import).
+
+The host primary tier lives in memory vLLM owns (its shared offload region, which its workers
+copy into); :class:`RegionHostBuffer` lends kvhex's tiers slot views of it. Tiers are built
+through the ``kvhex.tiers`` registry like any other kvhex tier, so a third party's tier works
+in vLLM with no vLLM-specific code.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+import shutil
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import structlog
+
+from kvhex.adapters.vllm.settings import SOURCE, TierSettings, VllmSettings
+from kvhex.bootstrap import build_policy, build_tier
+from kvhex.domain.backpressure import AdmissionPolicy, AlwaysAdmit, EmaBackpressure
+from kvhex.domain.geometry import KvGeometry
+from kvhex.domain.primary import PrimaryTier
+from kvhex.domain.translate import EventTranslator
+from kvhex.errors import ConfigError, PluginError
+from kvhex.plugins import TIERS, Registry
+from kvhex.ports.host_buffer import HostBuffer
+from kvhex.ports.tier_store import TierStore
+from kvhex.service.engine import OffloadEngine
+from kvhex.service.events import EventPipeline
+from kvhex.service.tiering import TieringManager
+
+__all__ = [
+    "DEFAULT_OBJECT_CAPACITY",
+    "RegionHostBuffer",
+    "build_engine",
+    "build_tier_store",
+    "free_bytes",
+]
+
+log = structlog.get_logger(__name__)
+
+DEFAULT_OBJECT_CAPACITY = 1 << 62
+"""An object-store tier without ``kvhex.capacity_bytes`` is unbounded, as vLLM's is."""
+
+
+class RegionHostBuffer:
+    """``HostBuffer`` over ``num_slots`` rows of ``slot_bytes`` in a flat writable view.
+
+    The view is vLLM's shared offload region as the scheduler process maps it; the bytes are
+    the ones vLLM's workers copy device blocks into. ``close`` calls ``release`` (which unmaps
+    the region) once, after the views are dropped.
+    """
+
+    __slots__ = ("_release", "_view", "num_slots", "slot_bytes")
+
+    def __init__(
+        self,
+        view: memoryview,
+        num_slots: int,
+        slot_bytes: int,
+        release: Callable[[], None] | None = None,
+    ) -> None:
+        flat = view.cast("B") if view.ndim != 1 or view.format != "B" else view
+        if flat.readonly:
+            raise ValueError("the host region must be writable")
+        if len(flat) < num_slots * slot_bytes:
+            raise ValueError(
+                f"region of {len(flat)} bytes cannot hold {num_slots} slots of {slot_bytes}"
+            )
+        self._view: memoryview | None = flat
+        self._release = release
+        self.num_slots = num_slots
+        self.slot_bytes = slot_bytes
+
+    def slot_view(self, slot: int) -> memoryview:
+        """A writable view of one slot. ``IndexError`` outside the region or after close."""
+        if self._view is None:
+            raise IndexError("host region is closed")
+        if not 0 <= slot < self.num_slots:
+            raise IndexError(f"slot {slot} outside 0..{self.num_slots - 1}")
+        start = slot * self.slot_bytes
+        return self._view[start : start + self.slot_bytes]
+
+    def close(self) -> None:
+        """Drop the view, then release the region (once)."""
+        view, self._view = self._view, None
+        if view is not None:
+            view.release()
+        release, self._release = self._release, None
+        if release is not None:
+            release()
+
+
+def free_bytes(path: str) -> int:
+    """Free bytes on the filesystem that holds ``path`` (or its nearest existing parent)."""
+    probe = os.path.abspath(path)
+    while not os.path.exists(probe):
+        parent = os.path.dirname(probe)
+        if parent == probe:
+            break
+        probe = parent
+    return shutil.disk_usage(probe).free
+
+
+def _parameters(registry: Registry, plugin: str) -> set[str] | None:
+    """Keyword names the tier factory takes (``None``: any, or not resolvable here)."""
+    try:
+        factory = registry.load(TIERS, plugin)
+        params = inspect.signature(factory).parameters
+    except (PluginError, TypeError, ValueError):
+        return None  # build_tier reports an unknown or broken plugin with its path
+    if any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        return None
+    return set(params)
+
+
+def build_tier_store(
+    tier: TierSettings,
+    host: HostBuffer,
+    registry: Registry,
+    namespace: Mapping[str, Any],
+) -> TierStore:
+    """Build one secondary tier: its plugin with its options, plus the tier's ownership name
+    and kvhex's block namespace when the plugin takes them, and a default capacity.
+
+    Raises:
+        ConfigError: naming the tier entry or its option (see ``bootstrap.build_tier``).
+        TierError: the tier cannot run as configured (e.g. an unwritable root).
+    """
+    options = dict(tier.options)
+    accepted = _parameters(registry, tier.plugin)
+    if accepted is None or "name" in accepted:
+        options["name"] = tier.name
+    if accepted is None or "namespace" in accepted:
+        options.setdefault("namespace", dict(namespace))
+    if tier.default_capacity:
+        url = options.get("url")
+        if tier.type == "fs" and isinstance(url, str):
+            options["capacity_bytes"] = max(1, free_bytes(url))
+        else:
+            options["capacity_bytes"] = DEFAULT_OBJECT_CAPACITY
+    return build_tier(tier.plugin, host, registry, options, path=tier.path, source=SOURCE)
+
+
+def _admission(tiers: Sequence[TierSettings]) -> Callable[[int], AdmissionPolicy]:
+    def make(i: int) -> AdmissionPolicy:
+        bp = tiers[i].backpressure
+        if bp is None:
+            return AlwaysAdmit()
+        return EmaBackpressure(bp.alpha, bp.high_water_s, bp.low_water_s, bp.warmup, bp.probe_every)
+
+    return make
+
+
+def build_engine(
+    settings: VllmSettings,
+    host: HostBuffer,
+    *,
+    registry: Registry,
+    namespace: Mapping[str, Any],
+    record_events: bool,
+    geometry: KvGeometry | None = None,
+    int_hashes: bool = False,
+) -> tuple[OffloadEngine, list[TierStore]]:
+    """The host primary tier over ``host`` (one slot per chunk), the configured secondary
+    tiers in order, and the event pipeline; nothing half-built stays open on failure.
+    Returns the engine and its secondary tiers (in configured order).
+
+    Raises:
+        ConfigError: the policy or a tier is misconfigured (paths name the keys).
+        TierError: a tier cannot run.
+    """
+    if host.num_slots < 1:
+        raise ConfigError(
+            [
+                (
+                    "$.cpu_bytes_to_use",
+                    f"{settings.cpu_bytes_to_use} bytes hold no chunk of {host.slot_bytes} bytes",
+                )
+            ],
+            SOURCE,
+        )
+    try:
+        policy = build_policy(settings.policy, host.num_slots, registry, path="$.eviction_policy")
+    except ConfigError as exc:
+        raise ConfigError(exc.issues, SOURCE) from exc
+    primary = PrimaryTier(
+        host.num_slots,
+        policy,
+        store_threshold=settings.store_threshold,
+        max_tracker_size=settings.max_tracker_size,
+        record_events=record_events,
+    )
+    stores: list[TierStore] = []
+    try:
+        for tier in settings.tiers:
+            stores.append(build_tier_store(tier, host, registry, namespace))
+    except BaseException:
+        for store in reversed(stores):
+            try:
+                store.close()
+            except Exception as exc:
+                log.warning("tier_close_failed", tier=store.identity.ownership, error=repr(exc))
+        raise
+    manager = TieringManager(
+        primary,
+        stores,
+        host=host,
+        admission=_admission(settings.tiers),
+        names=[t.name for t in settings.tiers],
+    )
+    pipeline = EventPipeline(EventTranslator(geometry, int_hashes=int_hashes))
+    return OffloadEngine(manager, pipeline), stores

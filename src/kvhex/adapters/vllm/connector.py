@@ -1,0 +1,86 @@
+"""``KvhexOffloadingConnector``: vLLM's offloading connector with kvhex's event provenance.
+
+vLLM's ``OffloadingManager`` API hands a manager only a ``ReqContext`` (request id, transfer
+params), never the ``Request``; vLLM's own events tracker therefore snapshots payloads in the
+scheduler. This connector is vLLM's ``OffloadingConnector`` plus two hooks, used only when the
+spec's manager is kvhex's:
+
+* ``on_new_request``: kvhex's context of the request gets the live ``Request`` (references
+  to its tokens and hashes, never copies), so every store, cascade and promotion job the
+  request starts carries its provenance, however late the job completes;
+* ``take_events``: the step's events come from kvhex's translator (full ``BlockStored`` for
+  host stores, secondary-tier stores and promotions; per-key ``BlockRemoved`` on reset) as
+  vLLM's own ``kv_events`` structs, which vLLM's scheduler publishes with its publisher.
+
+With any other spec it behaves exactly like ``OffloadingConnector``. Select it with
+``kv_connector="KvhexOffloadingConnector"`` (registered by the ``vllm.general_plugins`` entry
+point; ``kv_connector_module_path="kvhex.adapters.vllm"`` works without it).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+from vllm.distributed.kv_events import KVCacheEvent
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import (
+    OffloadingConnector,
+)
+
+from kvhex.adapters.vllm.manager import KvhexOffloadingManager
+from kvhex.domain.geometry import CacheKind, KvGeometry, KvGroup
+
+__all__ = ["KvhexOffloadingConnector", "geometry_of_groups"]
+
+_KINDS = {kind.value: kind for kind in CacheKind}
+
+
+def geometry_of_groups(group_configs: Iterable[Any], tokens_per_hash: int) -> KvGeometry:
+    """kvhex geometry from the scheduler's ``GroupOffloadConfig``s, with each group's exact
+    cache kind and window (as vLLM's own events announce them). A group vLLM keeps only a
+    window of is never described in full, whatever its kind."""
+    groups = []
+    for g in group_configs:
+        spec = g.kv_event_group_spec
+        kind = _KINDS.get(spec.kv_cache_spec_kind or "", CacheKind.UNKNOWN)
+        if g.sliding_window_size_in_chunks is not None and kind.keeps_every_block:
+            kind = CacheKind.UNKNOWN
+        groups.append(
+            KvGroup(
+                g.group_idx,
+                g.tokens_per_block,
+                g.tokens_per_chunk // g.tokens_per_block,
+                kind,
+                spec.kv_cache_spec_sliding_window,
+            )
+        )
+    return KvGeometry(tuple(groups), tokens_per_hash)
+
+
+class KvhexOffloadingConnector(OffloadingConnector):
+    """``OffloadingConnector`` whose events carry kvhex's provenance (see module docstring)."""
+
+    def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        self._kvhex: KvhexOffloadingManager | None = None
+        scheduler = self.connector_scheduler
+        if scheduler is not None and isinstance(scheduler.manager, KvhexOffloadingManager):
+            self._kvhex = scheduler.manager
+            config = scheduler.config
+            self._kvhex.bind_geometry(
+                geometry_of_groups(config.kv_group_configs, config.tokens_per_hash)
+            )
+
+    def on_new_request(self, request: Any) -> None:
+        if self._kvhex is None:
+            super().on_new_request(request)
+            return
+        with self._kvhex.incoming(request):
+            super().on_new_request(request)
+
+    def take_events(self) -> Iterable[KVCacheEvent]:
+        if self._kvhex is None:
+            events: Iterable[KVCacheEvent] = super().take_events()
+            return events
+        with self._kvhex.lock:
+            return self._kvhex.take_kv_events()

@@ -1,0 +1,180 @@
+"""Translations between vLLM 0.33's offloading types and kvhex's, in one place.
+
+* Request contexts: vLLM's ``ReqContext`` (a dataclass, not hashable, per request) carries
+  kvhex's ``ReqContext`` in its per-request state (``set_state``), created on first sight.
+* Tier filters, lookup results and offload policies map name for name.
+* Raw tier events: kvhex's ``Stored`` / ``Removed`` become vLLM ``OffloadingEvent``s (for
+  vLLM's own events tracker); kvhex's public events become vLLM's wire structs (for vLLM's
+  publisher), field for field.
+* Requests: a vLLM ``Request`` becomes kvhex ``Provenance`` holding live references to its
+  token ids and block hashes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import structlog
+from vllm.distributed import kv_events as vev
+from vllm.v1.kv_offload import base as vbase
+
+from kvhex.domain import events as kev
+from kvhex.domain.geometry import KvGeometry
+from kvhex.domain.provenance import MmFeature, Provenance
+from kvhex.domain.request import ReqContext
+from kvhex.domain.tiers import (
+    Locality,
+    LookupResult,
+    Medium,
+    OffloadPolicy,
+    TierFilter,
+    TierIdentity,
+    TierMatcher,
+)
+
+__all__ = [
+    "LOOKUP",
+    "context_of",
+    "offloading_events",
+    "policy_of",
+    "provenance_of",
+    "tier_filter_of",
+    "vllm_events",
+]
+
+log = structlog.get_logger(__name__)
+
+LOOKUP = {
+    LookupResult.HIT: vbase.LookupResult.HIT,
+    LookupResult.MISS: vbase.LookupResult.MISS,
+    LookupResult.HIT_PENDING: vbase.LookupResult.HIT_PENDING,
+    LookupResult.RETRY: vbase.LookupResult.RETRY,
+}
+"""kvhex lookup answer -> vLLM's."""
+
+_MEDIA = {"CPU": vbase.Medium.CPU, "STORAGE": vbase.Medium.STORAGE}
+_unmapped_media: set[str] = set()
+
+
+def policy_of(policy: OffloadPolicy) -> vbase.RequestOffloadingContext:
+    """kvhex offload policy -> vLLM's per-request offloading context."""
+    return vbase.RequestOffloadingContext(policy=vbase.OffloadPolicy(policy.value))
+
+
+def tier_filter_of(vfilter: vbase.TierFilter) -> TierFilter:
+    """vLLM's per-request tier filter -> kvhex's (``ALL`` stays the identical sentinel)."""
+    if vfilter is vbase.TierFilter.ALL:
+        return TierFilter.ALL
+    return TierFilter(
+        tuple(
+            TierMatcher(
+                Medium(m.medium.value) if m.medium is not None else None,
+                Locality(m.locality.value) if m.locality is not None else None,
+            )
+            for m in vfilter.matchers
+        )
+    )
+
+
+def context_of(vctx: vbase.ReqContext) -> tuple[ReqContext, bool]:
+    """kvhex's context for vLLM's ``vctx`` and whether it was created by this call.
+
+    The kvhex context is kept in ``vctx``'s per-request state, so it lives exactly as long as
+    vLLM keeps the request, and every job the request starts carries this one object.
+    """
+    ctx = vctx.get_state(ReqContext)
+    if ctx is not None:
+        return ctx, False
+    ctx = ReqContext(
+        req_id=vctx.req_id,
+        transfer_params=vctx.kv_transfer_params,
+        tier_filter=tier_filter_of(vctx.load_tier_filter),
+    )
+    vctx.set_state(ctx)
+    return ctx, True
+
+
+def provenance_of(request: Any, geometry: KvGeometry) -> Provenance:
+    """The provenance of a live vLLM ``Request``: references (not copies) to its token ids
+    and block hashes, its LoRA, multimodal features, cache salt and prompt-embedding digests,
+    exactly as vLLM's block hasher used them."""
+    lora = request.lora_request
+    features = tuple(
+        sorted(
+            (
+                MmFeature(str(f.identifier), int(f.mm_position.offset), int(f.mm_position.length))
+                for f in (request.mm_features or ())
+                if f.identifier is not None
+            ),
+            key=lambda f: f.offset,
+        )
+    )
+    digest = None
+    if getattr(request, "prompt_embeds", None) is not None:
+        from vllm.v1.core.kv_cache_utils import _gen_prompt_embeds_extra_hash_keys
+
+        def digest(start: int, end: int) -> bytes:
+            # vLLM's own per-block digest (and its per-request cache of it)
+            return bytes(_gen_prompt_embeds_extra_hash_keys(request, start, end)[0][1])
+
+    return Provenance(
+        geometry=geometry,
+        token_ids=request.all_token_ids,
+        block_hashes=request.block_hashes,
+        lora_id=lora.lora_int_id if lora is not None else None,
+        lora_name=lora.lora_name if lora is not None else None,
+        mm_features=features,
+        cache_salt=request.cache_salt or None,
+        prompt_embeds_digest=digest,
+        session_id=getattr(request, "session_id", None),
+    )
+
+
+def _vmedium(tier: TierIdentity) -> vbase.Medium:
+    medium = _MEDIA.get(tier.medium.name)
+    if medium is None:
+        if tier.medium.name not in _unmapped_media:
+            _unmapped_media.add(tier.medium.name)
+            log.warning("medium_announced_as_storage", medium=tier.medium.name, tier=tier.ownership)
+        return vbase.Medium.STORAGE
+    return medium
+
+
+def offloading_events(raw: Iterable[kev.TierEvent]) -> list[vbase.OffloadingEvent]:
+    """kvhex raw tier events -> vLLM ``OffloadingEvent``s for vLLM's events tracker.
+
+    A secondary tier's events carry its ownership name and ``removal_expected=True`` (kvhex
+    tiers announce their removals, so the tracker keeps the payload for them). ``Cleared``
+    (a reset) has no vLLM counterpart: vLLM's managers announce nothing on reset and its
+    scheduler drops the tracker's state instead.
+    """
+    out: list[vbase.OffloadingEvent] = []
+    for event in raw:
+        if isinstance(event, kev.Cleared):
+            continue
+        tier = event.tier
+        out.append(
+            vbase.OffloadingEvent(
+                keys=list(event.keys),
+                medium=_vmedium(tier),
+                removed=isinstance(event, kev.Removed),
+                locality=vbase.Locality(tier.locality.value) if tier.locality else None,
+                ownership=tier.ownership,
+                removal_expected=tier.ownership is not None,
+            )
+        )
+    return out
+
+
+def vllm_events(events: Iterable[kev.PublicEvent]) -> list[vev.KVCacheEvent]:
+    """kvhex public events -> vLLM's ``kv_events`` structs (same fields, same order)."""
+    out: list[vev.KVCacheEvent] = []
+    for event in events:
+        if isinstance(event, kev.BlockStored):
+            out.append(vev.BlockStored(*event))
+        elif isinstance(event, kev.BlockRemoved):
+            out.append(vev.BlockRemoved(*event))
+        else:
+            out.append(vev.AllBlocksCleared())
+    return out

@@ -1,0 +1,217 @@
+"""``KvhexOffloadingManager``: vLLM's ``OffloadingManager`` backed by kvhex's ``OffloadEngine``.
+
+vLLM's scheduler-side offloading connector calls it exactly as it calls vLLM's own CPU or
+tiering manager. Each method translates arguments (vLLM's ``ReqContext`` carries kvhex's,
+key collections become lists, host slots become ``CPULoadStoreSpec``) and forwards to the
+engine, whose methods mirror this contract.
+
+Events leave in one of two forms:
+
+* ``take_events()``: vLLM ``OffloadingEvent``s, which vLLM's own events tracker turns into
+  ``BlockStored`` / ``BlockRemoved`` (with vLLM's payload snapshots when
+  ``self_describing_kv_events`` is on). This is what vLLM's stock ``OffloadingConnector``
+  calls.
+* ``take_kv_events()``: vLLM ``kv_events`` structs translated by kvhex, with the provenance
+  each job's request context carries (so completions after the request finished, secondary
+  stores and promotions are full events). ``KvhexOffloadingConnector`` calls this one.
+
+A tier whose entry did not set ``enable_kv_events`` stays silent, and nothing is announced
+when vLLM's KV events are off, as in vLLM.
+
+Threading: scheduler thread only (kvhex runs no tier-poll thread), so ``lock`` is vLLM's
+default no-op.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Collection, Iterable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from vllm.distributed import kv_events as vev
+from vllm.v1.kv_offload import base as vbase
+from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
+
+from kvhex.adapters.vllm.convert import (
+    LOOKUP,
+    context_of,
+    offloading_events,
+    policy_of,
+    provenance_of,
+    vllm_events,
+)
+from kvhex.domain.events import TierEvent
+from kvhex.domain.geometry import KvGeometry
+from kvhex.domain.keys import OffloadKey
+from kvhex.domain.request import ReqContext
+from kvhex.domain.tiers import TierIdentity
+from kvhex.service.engine import OffloadEngine
+from kvhex.service.tiering import TieringStats
+
+__all__ = ["KvhexOffloadingManager"]
+
+
+class KvhexOffloadingManager(vbase.OffloadingManager):
+    """vLLM's manager contract over an ``OffloadEngine`` (host tier + kvhex tiers)."""
+
+    def __init__(
+        self,
+        engine: OffloadEngine,
+        *,
+        events_enabled: bool,
+        silent_tiers: Collection[TierIdentity] = (),
+        geometry: KvGeometry | None = None,
+        on_shutdown: Callable[[], None] | None = None,
+    ) -> None:
+        """Args:
+        engine: the kvhex engine (host primary tier, secondary tiers, event pipeline).
+        events_enabled: vLLM's global ``enable_kv_cache_events``; when off, nothing is
+            announced.
+        silent_tiers: tiers whose events are dropped (their entry lacks
+            ``enable_kv_events``).
+        geometry: the model's KV groups, for full events (see ``incoming``).
+        on_shutdown: called after the engine shut down (releases vLLM's region).
+        """
+        self._engine = engine
+        self._events_enabled = events_enabled
+        self._silent = frozenset(silent_tiers)
+        self._geometry = geometry
+        self._on_shutdown = on_shutdown
+        self._shut = False
+        self._incoming: Any = None
+        # after a reset, until vLLM's workers reported every job in flight at the reset, no
+        # promotion may write into host slots a late device copy could still write (vLLM's
+        # tiering manager holds promotions the same way)
+        self._promotions_held = False
+
+    # -- kvhex-side access ---------------------------------------------------------------
+    @property
+    def engine(self) -> OffloadEngine:
+        """The kvhex engine behind this manager."""
+        return self._engine
+
+    @property
+    def geometry(self) -> KvGeometry | None:
+        """The KV groups full events are described with."""
+        return self._geometry
+
+    def bind_geometry(self, geometry: KvGeometry) -> None:
+        """Use ``geometry`` (the scheduler's exact group kinds) from now on."""
+        self._geometry = geometry
+        self._engine.pipeline.translator.geometry = geometry
+
+    @contextmanager
+    def incoming(self, request: Any) -> Iterator[None]:
+        """While the scheduler announces ``request`` (``on_new_request`` inside this block),
+        its context gets the live request as provenance: every store, cascade and promotion
+        it starts is then announced in full by ``take_kv_events``."""
+        self._incoming = request
+        try:
+            yield
+        finally:
+            self._incoming = None
+
+    def stats(self) -> TieringStats:
+        """kvhex's counters of the host tier and every secondary tier."""
+        return self._engine.stats()
+
+    # -- OffloadingManager ---------------------------------------------------------------
+    def lookup(self, key: OffloadKey, req_context: vbase.ReqContext) -> vbase.LookupResult:
+        if self._promotions_held:
+            return LOOKUP[self._engine.manager.primary.lookup(key)]
+        return LOOKUP[self._engine.lookup(key, self._ctx(req_context))]
+
+    def get_load_source(self, key: OffloadKey, req_context: vbase.ReqContext) -> Any:
+        from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+        return CacheHitSource.HOST
+
+    def prepare_load(
+        self, keys: Collection[OffloadKey], req_context: vbase.ReqContext
+    ) -> CPULoadStoreSpec:
+        return CPULoadStoreSpec(self._engine.prepare_load(list(keys), self._ctx(req_context)))
+
+    def touch(self, keys: Collection[OffloadKey], req_context: vbase.ReqContext) -> None:
+        self._engine.touch(list(keys), self._ctx(req_context))
+
+    def complete_load(self, keys: Collection[OffloadKey], req_context: vbase.ReqContext) -> None:
+        self._engine.complete_load(list(keys), self._ctx(req_context))
+
+    def prepare_store(
+        self, keys: Collection[OffloadKey], req_context: vbase.ReqContext
+    ) -> vbase.PrepareStoreOutput | None:
+        plan = self._engine.prepare_store(list(keys), self._ctx(req_context))
+        if plan is None:
+            return None
+        return vbase.PrepareStoreOutput(
+            keys_to_store=plan.keys,
+            store_spec=CPULoadStoreSpec(plan.slots),
+            evicted_keys=plan.evicted,
+        )
+
+    def complete_store(
+        self,
+        keys: Collection[OffloadKey],
+        req_context: vbase.ReqContext,
+        success: bool = True,
+    ) -> None:
+        self._engine.complete_store(list(keys), self._ctx(req_context), success)
+
+    def on_new_request(self, req_context: vbase.ReqContext) -> vbase.RequestOffloadingContext:
+        ctx, _ = context_of(req_context)
+        request = self._incoming
+        if (
+            request is not None
+            and self._geometry is not None
+            and getattr(request, "request_id", None) == req_context.req_id
+        ):
+            ctx.provenance = provenance_of(request, self._geometry)
+        return policy_of(self._engine.on_new_request(ctx))
+
+    def on_request_finished(self, req_context: vbase.ReqContext) -> None:
+        self._engine.on_request_finished(self._ctx(req_context))
+
+    def on_schedule_end(self, context: vbase.ScheduleEndContext) -> None:
+        self._engine.on_schedule_end()
+
+    def has_pending_work(self) -> bool:
+        return self._engine.has_pending_work()
+
+    def take_events(self) -> Iterable[vbase.OffloadingEvent]:
+        """This step's raw events as vLLM ``OffloadingEvent``s, in kvhex's order (host tier
+        first, then each tier); for vLLM's own events tracker."""
+        return offloading_events(self._raw_events())
+
+    def take_kv_events(self) -> list[vev.KVCacheEvent]:
+        """This step's events translated by kvhex (full provenance), as vLLM's structs."""
+        return vllm_events(self._engine.pipeline.process(self._raw_events()))
+
+    def reset_cache(self) -> None:
+        self._engine.reset()
+        self._promotions_held = bool(self._engine.stats().tiers)
+
+    def on_reset_flushed(self) -> None:
+        self._promotions_held = False
+
+    def shutdown(self) -> None:
+        if self._shut:
+            return
+        self._engine.shutdown()
+        self._shut = True
+        if self._on_shutdown is not None:
+            self._on_shutdown()
+
+    # -- helpers -------------------------------------------------------------------------
+    def _ctx(self, vctx: vbase.ReqContext) -> ReqContext:
+        ctx: ReqContext | None = vctx.get_state(ReqContext)
+        if ctx is None:
+            ctx, _ = context_of(vctx)
+        return ctx
+
+    def _raw_events(self) -> list[TierEvent]:
+        raw = self._engine.manager.take_events()
+        if not self._events_enabled:
+            return []
+        if self._silent:
+            raw = [e for e in raw if e.tier not in self._silent]
+        return raw

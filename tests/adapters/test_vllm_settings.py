@@ -1,0 +1,256 @@
+"""vLLM's extra config -> kvhex settings, and building tiers from them (no vLLM needed)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvhex.adapters.memory import MemoryHostBuffer
+from kvhex.adapters.vllm.compose import (
+    DEFAULT_OBJECT_CAPACITY,
+    RegionHostBuffer,
+    build_engine,
+    build_tier_store,
+)
+from kvhex.adapters.vllm.settings import parse_settings, parse_tier
+from kvhex.bootstrap import build_tier
+from kvhex.domain.tiers import Locality
+from kvhex.errors import ConfigError
+from kvhex.plugins import Registry
+
+pytest.importorskip("fsspec")
+
+
+def _paths(extra: dict[str, Any]) -> list[str]:
+    with pytest.raises(ConfigError) as err:
+        parse_settings(extra)
+    assert err.value.source == "kv_connector_extra_config"
+    return sorted(err.value.paths)
+
+
+def test_vllms_cpu_and_tiering_keys_keep_their_meaning() -> None:
+    settings = parse_settings(
+        {
+            "spec_name": "KvhexOffloadingSpec",
+            "cpu_bytes_to_use": 4.0 * (1 << 30),  # --kv-offloading-size gives a float
+            "eviction_policy": "arc",
+            "store_threshold": 0,
+            "max_tracker_size": 10,
+            "offload_prompt_only": False,
+            "self_describing_kv_events": True,
+            "block_size": 32,
+            "tier_poll_interval_s": 0.01,
+            "secondary_tiers": [
+                {
+                    "type": "fs",
+                    "root_dir": "/mnt/kv",
+                    "n_read_threads": 4,
+                    "n_write_threads": 2,
+                    "enable_kv_events": True,
+                    "locality": "REMOTE",
+                },
+                {
+                    "type": "obj",
+                    "store_config": {
+                        "bucket": "kv",
+                        "endpoint_override": "127.0.0.1:9000",
+                        "access_key": "a",
+                        "secret_key": "s",
+                    },
+                    "prefix": "/team/",
+                },
+            ],
+        }
+    )
+    assert settings.cpu_bytes_to_use == 4 << 30
+    assert (settings.policy, settings.store_threshold, settings.max_tracker_size) == ("arc", 1, 10)
+    assert not settings.offload_prompt_only
+    assert settings.self_describing_kv_events
+    fs, obj = settings.tiers
+    assert (fs.plugin, fs.name, fs.enable_kv_events, fs.locality) == (
+        "fsspec",
+        "fs",
+        True,
+        Locality.REMOTE,
+    )
+    assert fs.options == {"url": "/mnt/kv", "io_threads": 6, "locality": Locality.REMOTE}
+    assert fs.default_capacity
+    assert (obj.plugin, obj.name, obj.enable_kv_events, obj.locality) == (
+        "nixl",
+        "obj1",
+        False,
+        None,
+    )
+    assert obj.options == {
+        "url": "s3://kv/team",
+        "endpoint_url": "http://127.0.0.1:9000",
+        "access_key": "a",
+        "secret_key": "s",
+        "region": "us-east-1",
+        "locality": None,
+    }
+
+
+def test_kvhex_only_settings_live_in_kvhex_sub_objects() -> None:
+    settings = parse_settings(
+        {
+            "cpu_bytes_to_use": 1 << 20,
+            "kvhex": {"policy": "fifo"},
+            "secondary_tiers": [
+                {
+                    "type": "fs",
+                    "root_dir": "/kv",
+                    "kvhex": {
+                        "name": "nvme",
+                        "capacity_bytes": 1 << 30,
+                        "backpressure": {"high_water_s": 2.0, "low_water_s": 1.0},
+                    },
+                },
+                {"type": "KvhexSecondaryTier", "tier": "memory", "capacity_bytes": 99},
+            ],
+        }
+    )
+    assert settings.policy == "fifo"
+    nvme, memory = settings.tiers
+    assert (nvme.name, nvme.options["capacity_bytes"], nvme.default_capacity) == (
+        "nvme",
+        1 << 30,
+        False,
+    )
+    assert nvme.backpressure is not None
+    assert nvme.backpressure.high_water_s == 2.0
+    assert (memory.plugin, memory.name, memory.options) == (
+        "memory",
+        "memory1",
+        {"capacity_bytes": 99},
+    )
+
+
+def test_every_problem_is_reported_at_once_with_its_path() -> None:
+    assert _paths(
+        {
+            "cpu_bytes_to_use": True,
+            "eviction_polcy": "lru",
+            "store_threshold": "2",
+            "offload_prompt_only": 1,
+            "cache_policy_module_path": "my.policies",
+            "backpressure": {},
+            "kvhex": {"policy": 3, "tiers": []},
+            "secondary_tiers": [
+                {"type": "fs"},
+                {"type": "obj", "store_config": {"bucket": "b", "session_token": "t"}},
+                {"type": "p2p"},
+                "fs",
+                {"type": "fs", "root_dir": "/x", "locality": "nearby", "n_read_threads": 0},
+                {"type": "KvhexSecondaryTier"},
+            ],
+        }
+    ) == sorted(
+        [
+            "$.cpu_bytes_to_use",
+            "$.eviction_polcy",
+            "$.store_threshold",
+            "$.offload_prompt_only",
+            "$.cache_policy_module_path",
+            "$.backpressure",
+            "$.kvhex.policy",
+            "$.kvhex.tiers",
+            "$.secondary_tiers[0].root_dir",
+            "$.secondary_tiers[1].store_config.endpoint_override",
+            "$.secondary_tiers[1].store_config.session_token",
+            "$.secondary_tiers[2].type",
+            "$.secondary_tiers[3]",
+            "$.secondary_tiers[4].locality",
+            "$.secondary_tiers[4].n_read_threads",
+            "$.secondary_tiers[5].tier",
+        ]
+    )
+
+
+def test_typos_get_a_suggestion_and_missing_keys_say_so() -> None:
+    with pytest.raises(ConfigError) as err:
+        parse_settings({"cpu_bytes_to_use": 10, "eviction_polcy": "lru"})
+    assert "did you mean 'eviction_policy'" in str(err.value)
+    with pytest.raises(ConfigError, match=r"\$\.cpu_bytes_to_use: required key is missing"):
+        parse_settings({})
+
+
+def test_threshold_with_tiers_and_duplicate_names_are_refused() -> None:
+    tiers = [
+        {"type": "fs", "root_dir": "/a"},
+        {"type": "fs", "root_dir": "/b", "kvhex": {"name": "fs"}},
+    ]
+    assert _paths({"cpu_bytes_to_use": 10, "store_threshold": 2, "secondary_tiers": tiers}) == [
+        "$.secondary_tiers[1].kvhex.name",
+        "$.store_threshold",
+    ]
+    assert parse_settings({"cpu_bytes_to_use": 10, "store_threshold": 2}).store_threshold == 2
+
+
+def test_tier_options_are_checked_against_the_tier_before_building(tmp_path: Path) -> None:
+    host = MemoryHostBuffer(4, 64)
+    registry = Registry.discover()
+    with pytest.raises(ConfigError) as err:
+        build_tier("memory", host, registry, {"capacity": 5}, path="$.t")
+    assert sorted(err.value.paths) == ["$.t.capacity", "$.t.capacity_bytes"]
+    with pytest.raises(ConfigError, match=r"unknown kvhex tier 'nope'; available: .*memory"):
+        build_tier("nope", host, registry, {}, path="$.t")
+    with pytest.raises(ConfigError) as err:
+        build_tier("memory", host, registry, {"capacity_bytes": 0}, path="$.t")
+    assert err.value.paths == ("$.t",)
+    with pytest.raises(ConfigError) as err:
+        build_tier("memory", host, registry, {"capacity_bytes": 9, "locality": "far"}, path="$.t")
+    assert err.value.paths == ("$.t.locality",)
+    tier = build_tier(
+        "memory", host, registry, {"capacity_bytes": 9, "locality": "remote"}, path="$.t"
+    )
+    assert tier.identity.locality is Locality.REMOTE
+
+
+def test_drop_in_tiers_build_kvhex_tiers_with_names_namespaces_and_capacities(
+    tmp_path: Path,
+) -> None:
+    settings = parse_settings(
+        {
+            "cpu_bytes_to_use": 4 * 4096,
+            "secondary_tiers": [
+                {"type": "fs", "root_dir": str(tmp_path / "a" / "b"), "locality": "LOCAL"},
+                {"type": "KvhexSecondaryTier", "tier": "memory", "capacity_bytes": 1 << 20},
+            ],
+        }
+    )
+    backing = bytearray(4 * 4096)
+    host = RegionHostBuffer(memoryview(backing), 4, 4096)
+    engine, stores = build_engine(
+        settings, host, registry=Registry.discover(), namespace={"model": "m"}, record_events=True
+    )
+    files, memory = stores
+    assert files.identity.ownership == "fs"
+    assert files.identity.locality is Locality.LOCAL
+    assert memory.identity.ownership == "memory1"
+    assert getattr(files, "namespace", {}).get("model") == "m"
+    assert 0 < getattr(files, "capacity_bytes", 0) < DEFAULT_OBJECT_CAPACITY
+    host.slot_view(3)[:] = b"\x05" * 4096
+    assert backing[3 * 4096] == 5
+    engine.shutdown()
+    with pytest.raises(IndexError):
+        host.slot_view(0)
+
+
+def test_an_unknown_policy_is_named_and_nothing_stays_open(tmp_path: Path) -> None:
+    settings = parse_settings(
+        {
+            "cpu_bytes_to_use": 4096,
+            "eviction_policy": "nosuch",
+            "secondary_tiers": [{"type": "fs", "root_dir": str(tmp_path)}],
+        }
+    )
+    host = RegionHostBuffer(memoryview(bytearray(4096)), 1, 4096)
+    with pytest.raises(ConfigError) as err:
+        build_engine(settings, host, registry=Registry.discover(), namespace={}, record_events=True)
+    assert err.value.paths == ("$.eviction_policy",)
+    tier = parse_tier({"type": "KvhexSecondaryTier", "tier": "nope"}, "$.x")
+    with pytest.raises(ConfigError, match=r"\$\.x: unknown kvhex tier 'nope'"):
+        build_tier_store(tier, host, Registry.discover(), {})

@@ -1,0 +1,220 @@
+"""kvhex driven through vLLM 0.33's scheduler-side offloading connector, synthetic requests.
+
+The connector, its spec and manager are built by vLLM's own factories from the extra config
+(``spec_name`` and ``kv_connector`` resolved through kvhex's general plugin). Transfers are
+reported finished by job id, as a worker would; host bytes are written by the test.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("vllm", reason="needs vLLM 0.33 (make test runs this in .venv-vllm)")
+
+import msgspec
+from vllm.distributed import kv_events as vev
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import (
+    OffloadingConnector,
+)
+
+from kvhex.adapters import wire
+from kvhex.adapters.memory import MemoryEventSink
+from kvhex.adapters.vllm import (
+    KvhexOffloadingConnector,
+    KvhexOffloadingManager,
+    register,
+)
+from kvhex.errors import ConfigError
+from tests.vllm.scheduler import PAGE, Driver, request, scheduler_connector
+
+PROMPT = list(range(100, 164))  # four blocks of 16 tokens
+
+
+def _extra(root: Path, **more: Any) -> dict[str, Any]:
+    return {
+        "spec_name": "KvhexOffloadingSpec",
+        "cpu_bytes_to_use": 32 * PAGE,
+        "self_describing_kv_events": True,
+        "secondary_tiers": [{"type": "fs", "root_dir": str(root), "enable_kv_events": True}],
+        **more,
+    }
+
+
+def _until(driver: Driver, done: Any, limit_s: float = 10.0) -> None:
+    deadline = time.monotonic() + limit_s
+    while not done():
+        assert time.monotonic() < deadline, "the tier did not finish in time"
+        driver.step()
+        time.sleep(0.002)
+
+
+def _stored(events: list[Any], medium: str) -> list[Any]:
+    return [e for e in events if isinstance(e, vev.BlockStored) and e.medium == medium]
+
+
+def _by_tokens(events: list[Any]) -> list[Any]:
+    return sorted(events, key=lambda e: e.token_ids[0] if e.token_ids else -1)
+
+
+@pytest.fixture(autouse=True)
+def _registered() -> None:
+    register()
+
+
+@pytest.fixture
+def connectors() -> Iterator[list[Any]]:
+    """Connectors the test builds; shut down (releasing vLLM's shared region) however the
+    test ends."""
+    built: list[Any] = []
+    yield built
+    for connector in built:
+        connector.shutdown()
+
+
+def test_full_provenance_for_host_stores_late_tier_stores_and_promotions(
+    tmp_path: Path, connectors: list[Any]
+) -> None:
+    connector = scheduler_connector(
+        tmp_path / "model", _extra(tmp_path / "kv"), "KvhexOffloadingConnector"
+    )
+    connectors.append(connector)
+    assert isinstance(connector, KvhexOffloadingConnector)
+    manager = connector.connector_scheduler.manager
+    assert isinstance(manager, KvhexOffloadingManager)
+    sink = MemoryEventSink()
+    manager.engine.pipeline.sinks.append(sink)
+    host = manager.engine.manager.host
+    assert host is not None
+    driver = Driver(connector)
+
+    # request 1: nothing offloaded yet (the file tier is probed first), four chunks stored
+    first = request("r1", PROMPT)
+    connector.on_new_request(first)
+    assert driver.matched(first) == 0
+    meta = driver.prefill(first)
+    ((job_id, job),) = meta.store_jobs.items()
+    slots = job.dst_spec.block_ids.tolist()
+    for chunk, slot in enumerate(slots):
+        host.slot_view(slot)[:] = bytes([chunk + 1]) * PAGE  # what the worker would copy
+    driver.complete([job_id])
+    cpu = _by_tokens(_stored(driver.events, "CPU"))
+    assert [e.token_ids for e in cpu] == [PROMPT[i : i + 16] for i in range(0, 64, 16)]
+    assert all(e.block_size == 16 and e.kv_cache_spec_kind == "full_attention" for e in cpu)
+    assert [e.parent_block_hash for e in cpu[1:]] == [e.block_hashes[-1] for e in cpu[:-1]]
+    assert cpu[0].parent_block_hash is None
+
+    # the request finishes; its cascade to the file tier completes afterwards, still in full
+    driver.events.clear()
+    driver.finish(first)
+    _until(driver, lambda: len(_stored(driver.events, "STORAGE")) == 4)
+    storage = _by_tokens(_stored(driver.events, "STORAGE"))
+    assert [e.token_ids for e in storage] == [e.token_ids for e in cpu]
+    assert [e.block_hashes for e in storage] == [e.block_hashes for e in cpu]
+    assert {e.ownership for e in storage} == {"fs"}
+
+    # reset: the host tier's chunks are announced removed (not AllBlocksCleared)
+    driver.events.clear()
+    connector.reset_cache()
+    driver.events.extend(connector.take_events())
+    (removed,) = driver.events
+    assert isinstance(removed, vev.BlockRemoved)
+    assert removed.medium == "CPU"
+    assert sorted(removed.block_hashes) == sorted(h for e in cpu for h in e.block_hashes)
+
+    # request 2 shares the prompt: found in the file tier, promoted, loaded; bytes intact
+    driver.events.clear()
+    second = request("r2", [*PROMPT, 1, 2, 3])
+    connector.on_new_request(second)
+    hits = driver.matched(second)
+    assert hits == 64
+    meta = driver.prefill(second, external=hits)
+    ((load_id, load),) = meta.load_jobs.items()
+    promoted_slots = load.src_spec.block_ids.tolist()
+    assert [bytes(host.slot_view(s)[:1]) for s in promoted_slots] == [
+        b"\x01",
+        b"\x02",
+        b"\x03",
+        b"\x04",
+    ]
+    driver.complete([load_id])
+    promoted = _by_tokens(_stored(driver.events, "CPU"))
+    assert [e.token_ids for e in promoted] == [e.token_ids for e in cpu]
+    assert [e.block_hashes for e in promoted] == [e.block_hashes for e in cpu]
+
+    # every batch kvhex's translator produced decodes, with vLLM's decoder, into the very
+    # structs the connector handed vLLM's publisher
+    decoder = msgspec.msgpack.Decoder(vev.KVEventBatch)
+    decoded = [e for b in sink.batches for e in decoder.decode(wire.encode_batch(b)).events]
+    handed = [*cpu, *storage, removed, *promoted]
+    assert sorted(map(repr, decoded)) == sorted(map(repr, handed))
+    assert len(decoded) == len(handed)
+
+
+def test_stock_connector_with_kvhex_spec_uses_vllms_own_tracker(
+    tmp_path: Path, connectors: list[Any]
+) -> None:
+    """Drop-in: only ``spec_name`` changed; vLLM's connector and its events tracker."""
+    connector = scheduler_connector(
+        tmp_path / "model", _extra(tmp_path / "kv"), "OffloadingConnector"
+    )
+    connectors.append(connector)
+    assert type(connector) is OffloadingConnector
+    assert isinstance(connector.connector_scheduler.manager, KvhexOffloadingManager)
+    driver = Driver(connector)
+    req = request("r1", PROMPT)
+    connector.on_new_request(req)
+    assert driver.matched(req) == 0
+    meta = driver.prefill(req)
+    driver.complete(list(meta.store_jobs))
+    cpu = _by_tokens(_stored(driver.events, "CPU"))
+    assert [e.token_ids for e in cpu] == [PROMPT[i : i + 16] for i in range(0, 64, 16)]
+    driver.finish(req)
+    _until(driver, lambda: len(_stored(driver.events, "STORAGE")) == 4)
+    assert {e.ownership for e in _stored(driver.events, "STORAGE")} == {"fs"}
+
+
+def test_kvhex_connector_with_vllms_own_spec_behaves_like_vllms_connector(
+    tmp_path: Path, connectors: list[Any]
+) -> None:
+    extra = {"cpu_bytes_to_use": 32 * PAGE, "self_describing_kv_events": True}
+    connector = scheduler_connector(tmp_path / "model", extra, "KvhexOffloadingConnector")
+    connectors.append(connector)
+    assert not isinstance(connector.connector_scheduler.manager, KvhexOffloadingManager)
+    driver = Driver(connector)
+    req = request("r1", PROMPT)
+    connector.on_new_request(req)
+    assert driver.matched(req) == 0
+    meta = driver.prefill(req)
+    driver.complete(list(meta.store_jobs))
+    assert len(_stored(driver.events, "CPU")) == 4
+
+
+@pytest.mark.parametrize(
+    ("change", "paths"),
+    [
+        ({"cpu_bytes_to_use": "lots"}, ["$.cpu_bytes_to_use"]),
+        ({"secondary_tiers": [{"type": "p2p"}]}, ["$.secondary_tiers[0].type"]),
+        (
+            {"secondary_tiers": [{"type": "fs", "rootdir": "/x"}], "eviction_polcy": "lru"},
+            [
+                "$.eviction_polcy",
+                "$.secondary_tiers[0].rootdir",
+                "$.secondary_tiers[0].root_dir",
+            ],
+        ),
+        ({"eviction_policy": "nosuch"}, ["$.eviction_policy"]),
+    ],
+)
+def test_configuration_errors_fail_start_up_naming_the_keys(
+    tmp_path: Path, change: dict[str, Any], paths: list[str]
+) -> None:
+    extra = {**_extra(tmp_path / "kv"), **change}
+    with pytest.raises(ConfigError) as err:
+        scheduler_connector(tmp_path / "model", extra, "KvhexOffloadingConnector")
+    assert sorted(err.value.paths) == sorted(paths)
+    assert err.value.source == "kv_connector_extra_config"

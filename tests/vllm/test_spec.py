@@ -1,0 +1,143 @@
+"""The adapters satisfy vLLM's abstract interfaces and vLLM's factories build them by name."""
+
+from __future__ import annotations
+
+import inspect
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("vllm", reason="needs vLLM 0.33 (make test runs this in .venv-vllm)")
+
+from vllm.v1.kv_offload.base import OffloadingManager, OffloadingSpec
+from vllm.v1.kv_offload.factory import OffloadingSpecFactory
+from vllm.v1.kv_offload.tiering.base import SecondaryTierManager
+
+from kvhex.adapters.vllm import (
+    KvhexOffloadingManager,
+    KvhexOffloadingSpec,
+    KvhexSecondaryTier,
+)
+from kvhex.errors import ConfigError
+from tests.vllm.helpers import PAGE, offloading_config
+
+
+@pytest.fixture
+def managers() -> Iterator[list[Any]]:
+    """Managers the test builds; shut down (releasing vLLM's shared region) however it ends."""
+    built: list[Any] = []
+    yield built
+    for manager in built:
+        manager.shutdown()
+
+
+def test_the_adapters_implement_every_abstract_method() -> None:
+    for cls, base in (
+        (KvhexOffloadingSpec, OffloadingSpec),
+        (KvhexOffloadingManager, OffloadingManager),
+        (KvhexSecondaryTier, SecondaryTierManager),
+    ):
+        assert issubclass(cls, base)
+        assert not inspect.isabstract(cls), f"{cls.__name__}: {cls.__abstractmethods__}"
+
+
+def test_vllm_loads_the_general_plugin_which_registers_every_name() -> None:
+    code = (
+        "import vllm.plugins as p;"
+        "from vllm.v1.kv_offload.factory import OffloadingSpecFactory as S;"
+        "from vllm.v1.kv_offload.tiering.factory import SecondaryTierFactory as T;"
+        "from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory as C;"
+        "p.load_general_plugins();"
+        "print(S.get_spec_cls({'spec_name': 'KvhexOffloadingSpec'}).__name__,"
+        " T.get_tier_class({'type': 'KvhexSecondaryTier'}).__name__,"
+        " C.get_connector_class_by_name('KvhexOffloadingConnector').__name__)"
+    )
+    out = subprocess.run(
+        [sys.executable, "-W", "ignore", "-c", code],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=300,
+    )
+    assert out.stdout.split() == [
+        "KvhexOffloadingSpec",
+        "KvhexSecondaryTier",
+        "KvhexOffloadingConnector",
+    ]
+
+
+def test_the_spec_factory_builds_it_from_a_module_path_alone(
+    tmp_path: Path, managers: list[Any]
+) -> None:
+    extra = {
+        "spec_name": "KvhexOffloadingSpec",
+        "spec_module_path": "kvhex.adapters.vllm",
+        "cpu_bytes_to_use": 8 * PAGE,
+        "eviction_policy": "arc",
+        "secondary_tiers": [{"type": "fs", "root_dir": str(tmp_path / "kv")}],
+    }
+    spec = OffloadingSpecFactory.create_spec(offloading_config(extra))
+    assert isinstance(spec, KvhexOffloadingSpec)
+    manager = spec.get_manager()
+    managers.append(manager)
+    assert spec.get_manager() is manager
+    assert isinstance(manager, KvhexOffloadingManager)
+    stats = manager.stats()
+    assert stats.primary.num_slots == 8
+    assert [t.name for t in stats.tiers] == ["fs"]
+    manager.shutdown()
+    manager.shutdown()  # idempotent
+
+
+def test_host_memory_too_small_for_one_chunk_is_a_config_error() -> None:
+    spec = KvhexOffloadingSpec(offloading_config({"cpu_bytes_to_use": PAGE - 1}))
+    with pytest.raises(ConfigError) as err:
+        spec.get_manager()
+    assert err.value.paths == ("$.cpu_bytes_to_use",)
+
+
+def test_events_stay_off_when_vllm_events_are_off(managers: list[Any]) -> None:
+    spec = KvhexOffloadingSpec(offloading_config({"cpu_bytes_to_use": 4 * PAGE}, events=False))
+    manager = spec.get_manager()
+    managers.append(manager)
+    from vllm.v1.kv_offload.base import ReqContext
+
+    from tests.vllm.helpers import key
+
+    ctx = ReqContext("r")
+    manager.on_new_request(ctx)
+    assert manager.prepare_store([key(1)], ctx) is not None
+    manager.complete_store([key(1)], ctx)
+    assert list(manager.take_events()) == []
+
+
+def test_promotions_wait_after_a_reset_until_vllm_reports_the_flush(
+    tmp_path: Path, managers: list[Any]
+) -> None:
+    """As vLLM's tiering manager: a late device copy may still write freed host slots."""
+    from vllm.v1.kv_offload.base import LookupResult, ReqContext, ScheduleEndContext
+
+    from tests.vllm.helpers import key
+
+    extra = {
+        "cpu_bytes_to_use": 4 * PAGE,
+        "secondary_tiers": [{"type": "fs", "root_dir": str(tmp_path / "kv")}],
+    }
+    manager = KvhexOffloadingSpec(offloading_config(extra)).get_manager()
+    managers.append(manager)
+    ctx = ReqContext("r")
+    manager.on_new_request(ctx)
+    assert manager.prepare_store([key(1)], ctx) is not None
+    manager.complete_store([key(1)], ctx)
+    while manager.has_pending_work():
+        manager.on_schedule_end(ScheduleEndContext((), ()))
+    manager.reset_cache()
+    assert manager.lookup(key(1), ctx) is LookupResult.MISS  # held: host tier only
+    manager.on_schedule_end(ScheduleEndContext((), ()))
+    assert manager.lookup(key(1), ctx) is LookupResult.MISS
+    manager.on_reset_flushed()
+    assert manager.lookup(key(1), ctx) is LookupResult.RETRY  # the file tier is asked again
