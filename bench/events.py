@@ -11,6 +11,7 @@
    the same way (tracemalloc).
 
     python bench/events.py [--chunks 20000] [--resident 100000]
+    python bench/events.py --quick --json   # tiny sizes; rows as JSON (see _report.py)
 
 A plain script, never a timed test.
 """
@@ -24,6 +25,7 @@ import time
 import tracemalloc
 from typing import Any
 
+from _report import Report, parse
 from kvhex.adapters.wire import encode_batch
 from kvhex.domain import (
     EventBatch,
@@ -39,6 +41,9 @@ from kvhex.domain import (
     make_offload_key,
 )
 from kvhex.domain.locator import locate
+
+QUICK = {"chunks": 640, "resident": 800, "repeats": 1}
+"""Sizes of ``--quick`` (the smoke test's)."""
 
 GROUP = KvGroup(0, tokens_per_block=16, blocks_per_chunk=16)
 GEO = KvGeometry((GROUP,), tokens_per_hash=16)
@@ -67,7 +72,7 @@ def request(i: int, chunks: int) -> tuple[ReqContext, list[bytes]]:
     return ctx, keys
 
 
-def bench_cost(n_chunks: int, repeats: int) -> None:
+def bench_cost(n_chunks: int, repeats: int, report: Report) -> None:
     """Per scheduler step: 8 requests x 8 chunks translated, encoded as one batch, dropped."""
     per_request, per_step = 8, 8
     requests = [request(i, per_request) for i in range(n_chunks // per_request)]
@@ -97,13 +102,13 @@ def bench_cost(n_chunks: int, repeats: int) -> None:
         encode_us.append(t_encode / n_events * 1e6)
     tr, enc = statistics.median(translate_us), statistics.median(encode_us)
     full = tr + enc
-    print(
+    report.say(
         f"chunk events: {n_events} per run in steps of {per_step * per_request} "
         f"(16 blocks x 16 tokens, LoRA, 1 mm feature), {size} wire bytes each"
     )
-    print(f"  translate            {tr:8.2f} us/event")
-    print(f"  encode (baseline)    {enc:8.2f} us/event")
-    print(
+    report.say(f"  translate            {tr:8.2f} us/event")
+    report.say(f"  encode (baseline)    {enc:8.2f} us/event")
+    report.say(
         f"  translate + encode   {full:8.2f} us/event  ({1e6 / full:,.0f} events/s), "
         f"ratio to encoding alone {full / enc:.2f}"
     )
@@ -116,7 +121,21 @@ def bench_cost(n_chunks: int, repeats: int) -> None:
         events = translator.translate(raw)
         encode_batch(EventBatch(1.0, events))
         warm.append((time.perf_counter() - t0) / len(events) * 1e6)
-    print(f"  translate + encode, warm caches: {statistics.median(warm):.2f} us/event")
+    report.say(f"  translate + encode, warm caches: {statistics.median(warm):.2f} us/event")
+    report.row(
+        "translate + encode, cold (per event)",
+        full,
+        enc,
+        unit="us/event",
+        baseline_name="wire encoding alone",
+    )
+    report.row(
+        "translate + encode, warm caches (per event)",
+        statistics.median(warm),
+        enc,
+        unit="us/event",
+        baseline_name="wire encoding alone",
+    )
 
 
 def snapshot(ctx: ReqContext, key: bytes) -> tuple[Any, ...]:
@@ -155,7 +174,7 @@ def retained_per_chunk(resident: int, keep: Any) -> float:
     return retained / resident
 
 
-def bench_memory(resident: int) -> None:
+def bench_memory(resident: int, report: Report) -> None:
     def kvhex_state(reqs: list[tuple[ReqContext, list[bytes]]]) -> EventTranslator:
         translator = EventTranslator(GEO)
         translator.translate([Stored(tuple(keys), CPU, ctx) for ctx, keys in reqs])
@@ -166,10 +185,17 @@ def bench_memory(resident: int) -> None:
 
     ours = retained_per_chunk(resident, kvhex_state)
     theirs = retained_per_chunk(resident, snapshot_state)
-    print(
+    report.say(
         f"event state for {resident:,} resident chunks of finished requests: kvhex "
         f"{ours:,.0f} B/chunk (detached hashes only), snapshot design {theirs:,.0f} B/chunk, "
         f"ratio {ours / theirs:.3f}"
+    )
+    report.row(
+        "retained event state per resident chunk",
+        ours,
+        theirs,
+        unit="B/chunk",
+        baseline_name="snapshot-payload design",
     )
 
 
@@ -178,9 +204,11 @@ def main() -> None:
     parser.add_argument("--chunks", type=int, default=20_000)
     parser.add_argument("--resident", type=int, default=100_000)
     parser.add_argument("--repeats", type=int, default=5)
-    args = parser.parse_args()
-    bench_cost(args.chunks, args.repeats)
-    bench_memory(args.resident)
+    args = parse(parser, QUICK)
+    report = Report("events", args)
+    bench_cost(args.chunks, args.repeats, report)
+    bench_memory(args.resident, report)
+    report.finish()
 
 
 if __name__ == "__main__":

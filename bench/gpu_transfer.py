@@ -11,6 +11,7 @@ host memory on the CPU). Prints medians of ``--repeats`` passes and the ratio.
 
     python bench/gpu_transfer.py                      # CUDA when available, else the CPU
     python bench/gpu_transfer.py --device cpu --total-mib 256
+    python bench/gpu_transfer.py --quick --json   # tiny sizes; rows as JSON (see _report.py)
 
 A plain script, never a timed test. Buffers are touched once before timing (page faults).
 """
@@ -25,11 +26,15 @@ from collections.abc import Callable
 
 import torch
 
+from _report import Report, parse
 from kvhex.adapters.torch import TorchBlockTransfer, TorchHostBuffer
 from kvhex.domain import JobId, TransferJob, TransferKind
 
 KiB = 1 << 10
 MiB = 1 << 20
+QUICK = {"total_mib": 4, "layers": 4, "chunks_per_job": 4, "repeats": 1}
+"""Sizes of ``--quick`` (the smoke test's)."""
+BASELINE = "raw contiguous copy"
 
 
 def _sync(device: torch.device) -> None:
@@ -144,18 +149,19 @@ def main() -> None:
     parser.add_argument("--chunks-per-job", type=int, default=16)
     parser.add_argument("--total-mib", type=int, default=None, help="bytes per pass")
     parser.add_argument("--repeats", type=int, default=5)
-    args = parser.parse_args()
+    args = parse(parser, QUICK)
+    report = Report("gpu_transfer", args)
     device = torch.device(args.device)
     if args.total_mib is None:
         args.total_mib = 2048 if device.type == "cuda" else 256
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    print(
+    report.say(
         f"device {name}, {args.layers} layers, {args.blocks_per_chunk} blocks per chunk, "
         f"{args.chunks_per_job} chunks per job, {args.total_mib} MiB per pass, "
         f"medians of {args.repeats}; torch {torch.__version__}, "
         f"{torch.get_num_threads()} CPU threads"
     )
-    print(f"{'chunk':<8} {'direction':<9} {'kvhex GB/s':>10} {'raw GB/s':>9} {'ratio':>6}")
+    report.say(f"{'chunk':<8} {'direction':<9} {'kvhex GB/s':>10} {'raw GB/s':>9} {'ratio':>6}")
     for chunk in (int(kib) * KiB for kib in args.chunk_kib.split(",")):
         run = KvhexRun(args, device, chunk)
         raw = RawRun(device, run.nbytes)
@@ -173,11 +179,20 @@ def main() -> None:
         for direction, mine, base in (("store", "store", "raw_s"), ("load", "load", "raw_l")):
             ours = run.nbytes / statistics.median(times[mine]) / 1e9
             theirs = run.nbytes / statistics.median(times[base]) / 1e9
-            print(
+            report.say(
                 f"{_label(run.slot_bytes):<8} {direction:<9} {ours:>10.2f} {theirs:>9.2f} "
                 f"{ours / theirs:>6.2f}"
             )
+            report.row(
+                f"{_label(run.slot_bytes)} {direction} ({device.type})",
+                ours,
+                theirs,
+                unit="GB/s",
+                baseline_name=BASELINE,
+                better="higher",
+            )
         run.close()
+    report.finish()
 
 
 if __name__ == "__main__":

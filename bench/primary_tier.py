@@ -9,6 +9,7 @@ Prints the median microseconds per call of each operation type and the kvhex/vLL
 bytes per resident chunk in the index at 1M chunks (tracemalloc).
 
     python bench/primary_tier.py [--ops 1000000] [--policy lru|arc] [--index-chunks 1000000]
+    python bench/primary_tier.py --quick --json   # tiny sizes; rows as JSON (see _report.py)
 
 A plain script, never a timed test. Timer overhead (median of an empty timed region) is
 subtracted from every sample.
@@ -25,7 +26,12 @@ import tracemalloc
 from collections.abc import Callable
 from typing import Any
 
+from _report import Report, parse
 from kvhex.domain import ArcPolicy, LookupResult, LruPolicy, PrimaryTier, ReqContext
+
+QUICK = {"ops": 3000, "slots": 200, "prefixes": 100, "index_chunks": 2000}
+"""Sizes of ``--quick`` (the smoke test's)."""
+VLLM = "vLLM CPUOffloadingManager"
 
 OPS = ("lookup", "touch", "prepare_load", "complete_load", "prepare_store", "complete_store")
 
@@ -181,11 +187,12 @@ def main() -> None:
     parser.add_argument("--prefixes", type=int, default=10_000)
     parser.add_argument("--index-chunks", type=int, default=1_000_000)
     parser.add_argument("--seed", type=int, default=7)
-    args = parser.parse_args()
+    args = parse(parser, QUICK)
+    report = Report("primary_tier", args)
 
     trace = make_trace(args.ops // 8, args.prefixes, args.seed)
     overhead = timer_overhead()
-    print(
+    report.say(
         f"trace: {len(trace)} requests, policy {args.policy}, {args.slots} slots; "
         f"timer overhead {overhead} ns subtracted"
     )
@@ -195,7 +202,7 @@ def main() -> None:
     }
     vllm = vllm_classes()
     if vllm is None:
-        print("vllm: not installed")
+        report.say("vllm: not installed")
     else:
         cpu_manager, vllm_ctx, vllm_lookup = vllm
         managers["vllm"] = (
@@ -234,19 +241,23 @@ def main() -> None:
     header = f"{'operation':<16}{'calls':>10}{'kvhex us':>11}"
     if "vllm" in results:
         header += f"{'vllm us':>10}{'kvhex/vllm':>12}"
-    print(header)
+    report.say(header)
     for op in OPS:
         ours = results["kvhex"][0][op]
         line = f"{op:<16}{len(ours):>10}{med(ours):>11.3f}"
+        baseline = None
         if "vllm" in results:
             theirs = results["vllm"][0][op]
+            baseline = med(theirs)
             ratio = med(ours) / med(theirs) if med(theirs) else float("nan")
             line += f"{med(theirs):>10.3f}{ratio:>12.2f}"
-        print(line)
+        report.say(line)
+        case = f"{op} ({args.policy})"
+        report.row(case, med(ours), baseline, unit="us/call", baseline_name=VLLM)
     for impl, (_, counts) in results.items():
         rate = counts["hits"] / counts["lookups"] if counts["lookups"] else 0.0
         chunk_rate = counts["hits"] / counts["chunks"] if counts["chunks"] else 0.0
-        print(
+        report.say(
             f"{impl}: {counts['ops']} calls, lookup hit rate {rate:.1%}, "
             f"chunk hit rate {chunk_rate:.1%}, "
             f"{counts['store_none']} stores refused, {counts['chunks_stored']} chunks stored"
@@ -261,6 +272,7 @@ def main() -> None:
     n = args.index_chunks
     ours = index_bytes_per_chunk(lambda c: kvhex_manager(c, args.policy), kvhex_store, n)
     line = f"index memory at {n} resident chunks: kvhex {ours:.0f} B/chunk"
+    theirs = None
     if vllm is not None:
         cpu_manager, vllm_ctx, _ = vllm
         ctx = vllm_ctx(req_id="fill")
@@ -273,7 +285,10 @@ def main() -> None:
             lambda c: cpu_manager(c, cache_policy=args.policy), vllm_store, n
         )
         line += f", vllm {theirs:.0f} B/chunk, ratio {ours / theirs:.2f}"
-    print(line + " (key bytes objects excluded: the engine owns them; +69 B each if counted)")
+    report.say(line + " (key bytes objects excluded: the engine owns them; +69 B each if counted)")
+    case = f"index bytes per resident chunk ({args.policy})"
+    report.row(case, ours, theirs, unit="B/chunk", baseline_name=VLLM)
+    report.finish()
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ inside ``poll``/``submit``; a real tier does that on its own threads), which iso
 manager's bookkeeping. Blocks are 16 bytes so byte copies stay small.
 
     python bench/tiering.py [--ops 1000000] [--slots 40000]
+    python bench/tiering.py --quick --json   # tiny sizes; rows as JSON (see _report.py)
 
 A plain script, never a timed test.
 """
@@ -24,11 +25,16 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from _report import Report, parse
 from kvhex.adapters.memory import MemoryHostBuffer, MemoryTierStore
 from kvhex.domain import JobResult, LookupResult, LruPolicy, PrimaryTier, ReqContext, TierJob
 from kvhex.domain.events import TierEvent
 from kvhex.service import TieringManager
 from primary_tier import make_trace, timer_overhead
+
+QUICK = {"ops": 4000, "slots": 200, "prefixes": 100}
+"""Sizes of ``--quick`` (the smoke test's)."""
+BASELINE = "bare PrimaryTier"
 
 OPS = ("lookup", "store lifecycle", "load lifecycle", "step end", "request begin/end")
 SLOT_BYTES = 16
@@ -148,10 +154,11 @@ def main() -> None:
     parser.add_argument("--slots", type=int, default=40_000)
     parser.add_argument("--prefixes", type=int, default=10_000)
     parser.add_argument("--seed", type=int, default=7)
-    args = parser.parse_args()
+    args = parse(parser, QUICK)
+    report = Report("tiering", args)
     trace = make_trace(args.ops // 8, args.prefixes, args.seed)
     overhead = timer_overhead()
-    print(
+    report.say(
         f"trace: {len(trace)} requests, {args.slots} host slots, 2 in-memory tiers of "
         f"{4 * args.slots} blocks; timer overhead {overhead} ns subtracted"
     )
@@ -181,7 +188,7 @@ def main() -> None:
     def med(xs: list[int]) -> float:
         return max(statistics.median(xs) - overhead, 0) / 1000 if xs else float("nan")
 
-    print(
+    report.say(
         f"{'operation':<20}{'calls':>9}{'primary us':>12}{'tiering us':>12}{'ratio':>8}"
         f"{'excl. tiers us':>16}{'ratio':>8}"
     )
@@ -189,7 +196,11 @@ def main() -> None:
         b, t, own = base.samples[op], tiered.samples[op], tiered.own[op]
         base_us = med(b) if b else float("nan")
         row = f"{op:<20}{len(t):>9}{base_us:>12.3f}{med(t):>12.3f}{med(t) / base_us:>8.2f}"
-        print(row + f"{med(own):>16.3f}{med(own) / base_us:>8.2f}")
+        report.say(row + f"{med(own):>16.3f}{med(own) / base_us:>8.2f}")
+        report.row(op, med(t), base_us, unit="us/call", baseline_name=BASELINE)
+        report.row(
+            f"{op} (excl. tier adapters)", med(own), base_us, unit="us/call", baseline_name=BASELINE
+        )
 
     def per_store(samples: dict[str, list[int]]) -> float:
         total = sum(samples["store lifecycle"]) + sum(samples["step end"])
@@ -200,17 +211,32 @@ def main() -> None:
         per_store(tiered.samples),
         per_store(tiered.own),
     )
-    print(
+    report.say(
         "store lifecycle incl. cascade completion (stores + step ends, per store): "
         f"primary {full_base:.3f} us, tiering {full:.3f} us (ratio {full / full_base:.2f}), "
         f"excl. tier adapters {full_own:.3f} us (ratio {full_own / full_base:.2f})"
     )
     for t in manager.stats().tiers:
-        print(
+        report.say(
             f"{t.name}: {t.puts_ok} puts ({t.keys_put} chunks), {t.keys_promoted} chunks "
             f"promoted, {t.probes_submitted} probe batches, {t.cascades_dropped} dropped"
         )
+    report.row(
+        "full store lifecycle incl. cascade completion",
+        full,
+        full_base,
+        unit="us/store",
+        baseline_name=BASELINE,
+    )
+    report.row(
+        "full store lifecycle incl. cascade completion (excl. tier adapters)",
+        full_own,
+        full_base,
+        unit="us/store",
+        baseline_name=BASELINE,
+    )
     manager.shutdown()
+    report.finish()
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ go host -> tier (put) and tier -> host (get) through the tier's own jobs, in bat
   against the same loopback S3 server (moto; its speed, not S3's, bounds both).
 
     python bench/tiers.py [--total-mib 2048] [--tiers files,s3] [--dir PATH]
+    python bench/tiers.py --quick --json   # tiny sizes; rows as JSON (see _report.py)
 
 A plain script, never a timed test. Page cache is warm after the first pass; each figure is
 the median of ``--repeats`` passes; raw and tier passes alternate, and the ratio is the median
@@ -29,11 +30,19 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from _report import Report, parse
 from kvhex.adapters.fsspec import FsspecTierStore
 from kvhex.adapters.memory import MemoryHostBuffer
 from kvhex.domain import JobId, JobKind, TierJob, make_offload_key
 
 MiB = 1 << 20
+QUICK = {"total_mib": 8, "s3_total_mib": 2, "repeats": 1, "batch": 4}
+"""Sizes of ``--quick`` (the smoke test's)."""
+BASELINES = {
+    "files": "raw os.pwrite/os.preadv, one file",
+    "nixl": "raw os.pwrite/os.preadv, one file",
+    "s3": "raw s3fs pipe/cat, same server",
+}
 
 
 def wait_all(store: FsspecTierStore, n_jobs: int) -> None:
@@ -223,10 +232,11 @@ def main() -> None:
     parser.add_argument(
         "--dir", default=None, help="where the file tier writes (default: a temp dir)"
     )
-    args = parser.parse_args()
+    args = parse(parser, QUICK)
+    report = Report("tiers", args)
     tiers = args.tiers.split(",")
     head = f"{'tier':<8}{'chunk':>8}{'put GB/s':>10}{'raw':>8}{'ratio':>7}"
-    print(head + f"{'get GB/s':>10}{'raw':>8}{'ratio':>7}")
+    report.say(head + f"{'get GB/s':>10}{'raw':>8}{'ratio':>7}")
     for chunk in (2 * MiB, 256 * 1024):
         label = f"{chunk // 1024} KiB"
         if "files" in tiers:
@@ -235,7 +245,7 @@ def main() -> None:
                 r = local_files(directory, chunk, args.total_mib * MiB, args.batch, args.repeats)
             finally:
                 shutil.rmtree(directory, ignore_errors=True)
-            print(_row("files", label, r))
+            _emit(report, "files", label, r)
         if "nixl" in tiers:
             directory = tempfile.mkdtemp(prefix="kvhex-bench-", dir=args.dir)
             try:
@@ -244,10 +254,25 @@ def main() -> None:
                 )
             finally:
                 shutil.rmtree(directory, ignore_errors=True)
-            print(_row("nixl", label, r))
+            _emit(report, "nixl", label, r)
         if "s3" in tiers:
             r = s3(chunk, args.s3_total_mib * MiB, args.batch, args.repeats)
-            print(_row("s3", label, r))
+            _emit(report, "s3", label, r)
+    report.finish()
+
+
+def _emit(report: Report, name: str, label: str, r: dict[str, float]) -> None:
+    report.say(_row(name, label, r))
+    for direction in ("put", "get"):
+        report.row(
+            f"{name} {label} {direction}",
+            r[f"tier {direction}"],
+            r[f"raw {direction}"],
+            unit="GB/s",
+            baseline_name=BASELINES[name],
+            better="higher",
+            ratio=r[f"ratio {direction}"],
+        )
 
 
 def _row(name: str, label: str, r: dict[str, float]) -> str:

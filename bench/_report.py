@@ -1,0 +1,108 @@
+"""What every benchmark script shares: ``--quick`` and ``--json``, and its figures as rows.
+
+By default a script prints its human report on stdout, unchanged. With ``--json`` the same
+human lines, and anything else written to stdout (log lines, native libraries' output), go to
+stderr, and stdout carries exactly one JSON document, which ``kvhex bench`` reads instead of
+scraping text::
+
+    {"bench": "tiers", "rows": [{"case": "files 2 MiB put", "kvhex": 2.56, "baseline": 4.9,
+      "ratio": 0.52, "unit": "GB/s", "baseline_name": "raw os.pwrite", "better": "higher"}]}
+
+``ratio`` is kvhex / baseline as the script computed it (some scripts take the median of
+per-pass ratios, not the ratio of medians); ``baseline`` and ``ratio`` are ``null`` when the
+script had no baseline for that figure (vLLM not installed, say). ``--quick`` replaces every
+size flag still at its default with the tiny size of the script's ``QUICK`` table (what the
+smoke tests run): a check that the script works, not a measurement.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+from collections.abc import Mapping
+from typing import Any, TextIO
+
+
+def parse(parser: argparse.ArgumentParser, quick: Mapping[str, Any]) -> argparse.Namespace:
+    """Add ``--quick`` and ``--json`` to ``parser`` and parse the command line."""
+    parser.add_argument(
+        "--quick", action="store_true", help="tiny sizes: check the script runs, measure nothing"
+    )
+    parser.add_argument(
+        "--json",
+        action="store_true",
+        help="human report on stderr, one JSON document of rows on stdout",
+    )
+    args = parser.parse_args()
+    args.document = _reserve_stdout() if args.json else sys.stdout
+    if args.quick:
+        for name, value in quick.items():
+            if getattr(args, name) == parser.get_default(name):
+                setattr(args, name, value)
+    return args
+
+
+def _reserve_stdout() -> TextIO:
+    """The original stdout, kept for the JSON document, with file descriptor 1 pointed at
+    stderr: log lines (structlog prints to stdout) and native libraries that write to fd 1
+    (NIXL's logger) then land on stderr instead of corrupting the document."""
+    sys.stdout.flush()
+    document = os.fdopen(os.dup(sys.stdout.fileno()), "w")
+    os.dup2(sys.stderr.fileno(), sys.stdout.fileno())
+    return document
+
+
+def _number(value: float | None) -> float | None:
+    if value is None or math.isnan(value) or math.isinf(value):
+        return None
+    return value
+
+
+class Report:
+    """The human lines and the machine rows of one benchmark run."""
+
+    def __init__(self, bench: str, args: argparse.Namespace) -> None:
+        self.bench = bench
+        self.as_json: bool = args.json
+        self._document: TextIO = args.document
+        self.rows: list[dict[str, Any]] = []
+
+    def say(self, *parts: object) -> None:
+        """Print a human line (to stderr under ``--json``)."""
+        print(*parts, file=sys.stderr if self.as_json else sys.stdout, flush=True)
+
+    def row(
+        self,
+        case: str,
+        kvhex: float,
+        baseline: float | None,
+        *,
+        unit: str,
+        baseline_name: str,
+        better: str = "lower",
+        ratio: float | None = None,
+    ) -> None:
+        """Record one figure beside its baseline (``ratio`` defaults to kvhex / baseline)."""
+        if ratio is None and baseline:
+            ratio = kvhex / baseline
+        self.rows.append(
+            {
+                "case": case,
+                "kvhex": _number(kvhex),
+                "baseline": _number(baseline),
+                "ratio": _number(ratio),
+                "unit": unit,
+                "baseline_name": baseline_name,
+                "better": better,
+            }
+        )
+
+    def finish(self) -> None:
+        """Under ``--json``, print the rows as one JSON document on stdout."""
+        if self.as_json:
+            json.dump({"bench": self.bench, "rows": self.rows}, self._document)
+            self._document.write("\n")
+            self._document.flush()
