@@ -1,0 +1,407 @@
+"""Read-only verification of a local file tier's root (what ``kvhex fsck`` runs).
+
+For each namespace directory under the root (see :mod:`kvhex.adapters.fsspec` for the
+layout) it checks that ``config.json`` is readable, names this layout version and hashes to
+the directory's name; that every row of the index points at an existing slab and slot whose
+header names the row's key and whose payload matches the header's checksum; and it reports
+slots that hold a whole-looking block without an index row (orphans: a crash between a
+block's write and its index commit leaves them; harmless, the slot is reused), slabs a
+crash left half-created, and files the tier does not know (foreign, ignored by the tier).
+
+Findings per index row:
+
+* ``CORRUPT``: the block is where the index says, but its bytes are wrong (bad magic, a
+  payload length that is not the slot's, a checksum that does not match the payload).
+* ``MISSING``: the index names a block that is not there: the slab is gone, the slot is past
+  its end, or the slot was unmarked or reused for another key (a removal whose index commit
+  a crash lost). The tier itself treats these as misses and drops them.
+
+Nothing is modified and no lock is taken: slabs are opened read-only (never ``flock``ed, so
+live instances are not disturbed), and the SQLite index is read from a private copy of its
+files (SQLite would otherwise create or update the ``-wal``/``-shm`` files, even read-only).
+A live instance may change the tier while it is checked; run it on a quiet tier for an exact
+answer. The report is a plain value: :func:`check_root` is usable from Python.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import json
+import os
+import shutil
+import sqlite3
+import tempfile
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import attrs
+
+from kvhex.adapters.fsspec import (
+    HEADER,
+    HEADER_AREA,
+    INDEX,
+    LAYOUT_VERSION,
+    MAGIC,
+    header_matches,
+    namespace_digest,
+)
+from kvhex.domain.keys import OffloadKey
+
+__all__ = [
+    "BlockFinding",
+    "Finding",
+    "FsckReport",
+    "NamespaceReport",
+    "Orphan",
+    "check_namespace",
+    "check_root",
+]
+
+SLABS = "slabs"
+CONFIG = "config.json"
+KNOWN = frozenset({CONFIG, INDEX, INDEX + "-wal", INDEX + "-shm", SLABS})
+"""What a namespace directory holds besides foreign files."""
+_HEX = frozenset("0123456789abcdef")
+
+
+class Finding(enum.Enum):
+    """What is wrong with a block the index names."""
+
+    CORRUPT = "corrupt"
+    MISSING = "missing"
+
+
+@attrs.frozen
+class BlockFinding:
+    """One index row whose block is not intact: its key (hex), where the row points, why."""
+
+    key: str
+    finding: Finding
+    reason: str
+    slab: str
+    slot: int
+
+
+@attrs.frozen
+class Orphan:
+    """A slot holding a whole-looking block that no index row names (harmless)."""
+
+    key: str
+    slab: str
+    slot: int
+
+
+@attrs.frozen
+class NamespaceReport:
+    """The verdict on one namespace directory.
+
+    ``problems`` are namespace-wide (configuration, index, slab geometry); ``findings`` name
+    single blocks. ``block_bytes`` counts the payload of intact blocks, ``slab_bytes`` the
+    size of the slab files.
+    """
+
+    name: str
+    path: str
+    config: Mapping[str, Any] | None
+    problems: tuple[str, ...]
+    blocks_ok: int
+    blocks_corrupt: int
+    blocks_missing: int
+    findings: tuple[BlockFinding, ...]
+    orphans: tuple[Orphan, ...]
+    unfinished_slabs: tuple[str, ...]
+    foreign: tuple[str, ...]
+    slabs: int
+    slab_bytes: int
+    block_bytes: int
+
+    @property
+    def clean(self) -> bool:
+        """No namespace problem and no corrupt or missing block."""
+        return not self.problems and not self.findings
+
+
+@attrs.frozen
+class FsckReport:
+    """The verdict on a root: each namespace, and foreign entries beside them."""
+
+    root: str
+    namespaces: tuple[NamespaceReport, ...]
+    foreign: tuple[str, ...]
+
+    @property
+    def clean(self) -> bool:
+        """Every namespace is clean (foreign files and orphans do not count)."""
+        return all(ns.clean for ns in self.namespaces)
+
+    def as_dict(self) -> dict[str, Any]:
+        """The report as JSON-ready builtins (``clean`` included)."""
+        out: dict[str, Any] = attrs.asdict(self, value_serializer=_plain)
+        out["clean"] = self.clean
+        for ns, data in zip(self.namespaces, out["namespaces"], strict=True):
+            data["clean"] = ns.clean
+        return out
+
+
+def _plain(_: Any, __: Any, value: Any) -> Any:
+    if isinstance(value, enum.Enum):
+        return value.value
+    if isinstance(value, Mapping):
+        return dict(value)
+    return value
+
+
+def check_root(root: str | os.PathLike[str]) -> FsckReport:
+    """Check every namespace under ``root`` (or ``root`` itself when it is a namespace).
+
+    Raises:
+        FileNotFoundError: ``root`` does not exist.
+        NotADirectoryError: ``root`` is not a directory.
+    """
+    base = Path(root)
+    if not base.exists():
+        raise FileNotFoundError(2, "no such directory", str(base))
+    if not base.is_dir():
+        raise NotADirectoryError(20, "not a directory", str(base))
+    if (base / CONFIG).exists():
+        return FsckReport(str(base), (check_namespace(base),), ())
+    namespaces = []
+    foreign = []
+    for entry in sorted(base.iterdir()):
+        if entry.is_dir() and not entry.is_symlink() and _looks_like_namespace(entry):
+            namespaces.append(check_namespace(entry))
+        else:
+            foreign.append(entry.name + ("/" if entry.is_dir() else ""))
+    return FsckReport(str(base), tuple(namespaces), tuple(foreign))
+
+
+def _looks_like_namespace(path: Path) -> bool:
+    if len(path.name) == 16 and set(path.name) <= _HEX:
+        return True
+    return any((path / name).exists() for name in (CONFIG, INDEX, SLABS))
+
+
+def _is_slab_id(stem: str) -> bool:
+    return len(stem) == 32 and set(stem) <= _HEX
+
+
+def check_namespace(path: str | os.PathLike[str]) -> NamespaceReport:
+    """Check one namespace directory (never raises for what it finds inside)."""
+    return _Checker(Path(path)).run()
+
+
+@attrs.define
+class _Checker:
+    """Collects one namespace's verdict."""
+
+    path: Path
+    problems: list[str] = attrs.Factory(list)
+    findings: list[BlockFinding] = attrs.Factory(list)
+    orphans: list[Orphan] = attrs.Factory(list)
+    unfinished: list[str] = attrs.Factory(list)
+    foreign: list[str] = attrs.Factory(list)
+    ok: int = 0
+    slab_count: int = 0
+    slab_bytes: int = 0
+
+    def run(self) -> NamespaceReport:
+        config = self._config()
+        slot_bytes = self._slot_bytes(config)
+        self._foreign_entries()
+        slabs = self._slab_files()
+        rows = self._index()
+        if slot_bytes is not None and rows is not None:
+            self._blocks(slabs, rows, slot_bytes)
+        corrupt = sum(f.finding is Finding.CORRUPT for f in self.findings)
+        return NamespaceReport(
+            name=self.path.name,
+            path=str(self.path),
+            config=config,
+            problems=tuple(self.problems),
+            blocks_ok=self.ok,
+            blocks_corrupt=corrupt,
+            blocks_missing=len(self.findings) - corrupt,
+            findings=tuple(self.findings),
+            orphans=tuple(self.orphans),
+            unfinished_slabs=tuple(self.unfinished),
+            foreign=tuple(self.foreign),
+            slabs=self.slab_count,
+            slab_bytes=self.slab_bytes,
+            block_bytes=self.ok * (slot_bytes or 0),
+        )
+
+    # -- namespace-wide ------------------------------------------------------------------
+    def _config(self) -> dict[str, Any] | None:
+        try:
+            config = json.loads((self.path / CONFIG).read_bytes())
+        except FileNotFoundError:
+            self.problems.append(f"{CONFIG} missing")
+            return None
+        except (OSError, ValueError) as exc:
+            self.problems.append(f"{CONFIG} unreadable: {exc}")
+            return None
+        if not isinstance(config, dict):
+            self.problems.append(f"{CONFIG} is not a JSON object")
+            return None
+        namespace = {k: v for k, v in config.items() if k != "layout_version"}
+        digest = namespace_digest(namespace)
+        if config.get("layout_version") == LAYOUT_VERSION and digest != self.path.name:
+            self.problems.append(
+                f"{CONFIG} describes namespace {digest}, not this directory's name"
+            )
+        return config
+
+    def _slot_bytes(self, config: Mapping[str, Any] | None) -> int | None:
+        if config is None:
+            return None
+        layout = config.get("layout_version")
+        if layout != LAYOUT_VERSION:
+            self.problems.append(
+                f"layout version {layout!r}; this kvhex checks version {LAYOUT_VERSION}"
+            )
+            return None
+        slot_bytes = config.get("slot_bytes")
+        if not isinstance(slot_bytes, int) or isinstance(slot_bytes, bool) or slot_bytes <= 0:
+            self.problems.append(f"{CONFIG} records no valid slot_bytes ({slot_bytes!r})")
+            return None
+        return slot_bytes
+
+    def _foreign_entries(self) -> None:
+        for entry in sorted(os.listdir(self.path)):
+            if entry not in KNOWN:
+                self.foreign.append(entry)
+
+    def _slab_files(self) -> dict[str, Path]:
+        slab_dir = self.path / SLABS
+        slabs: dict[str, Path] = {}
+        try:
+            entries = sorted(os.listdir(slab_dir))
+        except FileNotFoundError:
+            return slabs
+        for entry in entries:
+            stem, _, ext = entry.partition(".")
+            full = slab_dir / entry
+            if _is_slab_id(stem) and ext == "slab" and full.is_file():
+                slabs[stem] = full
+            elif _is_slab_id(stem) and ext == "new" and full.is_file():
+                self.unfinished.append(entry)
+            else:
+                self.foreign.append(f"{SLABS}/{entry}")
+        return slabs
+
+    def _index(self) -> list[tuple[bytes, str, int]] | None:
+        """Every row of the index, read from a private copy (see the module docstring)."""
+        source = self.path / INDEX
+        with tempfile.TemporaryDirectory(prefix="kvhex-fsck-") as tmp:
+            try:
+                shutil.copyfile(source, os.path.join(tmp, INDEX))
+            except FileNotFoundError:
+                self.problems.append(f"{INDEX} missing: the blocks of this namespace are lost")
+                return None
+            except OSError as exc:
+                self.problems.append(f"{INDEX} unreadable: {exc}")
+                return None
+            # committed transactions not yet checkpointed into the main file
+            with contextlib.suppress(FileNotFoundError):
+                shutil.copyfile(f"{source}-wal", os.path.join(tmp, INDEX + "-wal"))
+            db = sqlite3.connect(os.path.join(tmp, INDEX))
+            try:
+                rows = db.execute("SELECT key, slab, slot FROM blocks").fetchall()
+            except sqlite3.DatabaseError as exc:
+                self.problems.append(f"{INDEX} unreadable: {exc}")
+                return None
+            finally:
+                db.close()
+        return [(bytes(key), str(slab), int(slot)) for key, slab, slot in rows]
+
+    # -- blocks --------------------------------------------------------------------------
+    def _blocks(
+        self, slabs: Mapping[str, Path], rows: list[tuple[bytes, str, int]], slot_bytes: int
+    ) -> None:
+        by_slab: dict[str, dict[int, list[bytes]]] = {}
+        for key, slab, slot in rows:
+            by_slab.setdefault(slab, {}).setdefault(slot, []).append(key)
+        for slab, slots in sorted(by_slab.items()):
+            if slab not in slabs:
+                for slot, keys in sorted(slots.items()):
+                    for key in keys:
+                        self._found(key, Finding.MISSING, "its slab file is missing", slab, slot)
+        for name, path in slabs.items():
+            self._slab(name, path, by_slab.get(name, {}), slot_bytes)
+
+    def _slab(
+        self, name: str, path: Path, rows: Mapping[int, list[bytes]], slot_bytes: int
+    ) -> None:
+        slot_size = HEADER_AREA + slot_bytes
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except OSError as exc:
+            self.problems.append(f"slab {name} unreadable: {exc.strerror or exc}")
+            return
+        try:
+            size = os.fstat(fd).st_size
+            self.slab_count += 1
+            self.slab_bytes += size
+            count, rest = divmod(size, slot_size)
+            if rest:
+                self.problems.append(
+                    f"slab {name}: {size} bytes is not a whole number of {slot_size}-byte slots"
+                )
+            for slot, keys in sorted(rows.items()):
+                if not 0 <= slot < count:
+                    for key in keys:
+                        reason = f"slot {slot} is past the end of the slab ({count} slots)"
+                        self._found(key, Finding.MISSING, reason, name, slot)
+            for slot in range(count):
+                offset = slot * slot_size
+                if slot in rows:
+                    data = os.pread(fd, slot_size, offset)
+                    for key in rows[slot]:
+                        self._verify(key, data, slot_bytes, name, slot)
+                else:
+                    self._orphan(os.pread(fd, HEADER.size + 255, offset), slot_bytes, name, slot)
+        finally:
+            os.close(fd)
+
+    def _verify(self, key: bytes, data: bytes, slot_bytes: int, slab: str, slot: int) -> None:
+        header = data[:HEADER_AREA]
+        payload = memoryview(data)[HEADER_AREA:]
+        if len(payload) == slot_bytes and header_matches(header, OffloadKey(key), payload):
+            self.ok += 1
+            return
+        finding, reason = _diagnose(header, key, slot_bytes, len(payload))
+        self._found(key, finding, reason, slab, slot)
+
+    def _orphan(self, header: bytes, slot_bytes: int, slab: str, slot: int) -> None:
+        if len(header) < HEADER.size:
+            return
+        magic, length, _, key_len = HEADER.unpack_from(header)
+        key = header[HEADER.size : HEADER.size + key_len]
+        if magic == MAGIC and length == slot_bytes and 4 < key_len == len(key):
+            self.orphans.append(Orphan(key.hex(), slab, slot))
+
+    def _found(self, key: bytes, finding: Finding, reason: str, slab: str, slot: int) -> None:
+        self.findings.append(BlockFinding(key.hex(), finding, reason, slab, slot))
+
+
+def _diagnose(header: bytes, key: bytes, slot_bytes: int, got: int) -> tuple[Finding, str]:
+    """Why a block failed :func:`header_matches`."""
+    if len(header) < HEADER.size:
+        return Finding.MISSING, "the slot is cut short (slab truncated)"
+    magic, length, _, key_len = HEADER.unpack_from(header)
+    held = header[HEADER.size : HEADER.size + key_len]
+    if magic == bytes(len(MAGIC)):
+        return Finding.MISSING, "the slot is unmarked (block removed; stale index row)"
+    if magic == MAGIC and held != key:
+        return Finding.MISSING, f"the slot holds another block ({held.hex()}; stale index row)"
+    if magic != MAGIC:
+        reason = "bad magic in the block header"
+    elif length != slot_bytes:
+        reason = f"header records {length} payload bytes, slots hold {slot_bytes}"
+    elif got != slot_bytes:
+        reason = f"payload cut short ({got} of {slot_bytes} bytes)"
+    else:
+        reason = "payload checksum mismatch"
+    return Finding.CORRUPT, reason
