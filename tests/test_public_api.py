@@ -34,6 +34,7 @@ PUBLIC = [
     "kvhex.adapters.log",
     "kvhex.adapters.zmq",
     "kvhex.adapters.fsspec",
+    "kvhex.adapters.fsck",
     "kvhex.adapters.nixl",
     "kvhex.adapters.torch",
     "kvhex.adapters.torch.host",
