@@ -1,0 +1,334 @@
+"""``kvhex events`` against a real ZmqEventSink on loopback: the engine's real batches decoded,
+printed and found consistent, through a replay and live; inconsistent streams reported with a
+non-zero exit; bad flags and endpoints."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from kvhex.adapters.memory import MemoryEventSink
+from kvhex.adapters.wire import encode_batch
+from kvhex.adapters.zmq import ZmqEventSink
+from kvhex.domain.events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
+from tests.cli.command import kvhex, spawn
+from tests.cli.workload import CHUNKS, REQUESTS, serve
+
+zmq = pytest.importorskip("zmq")
+
+
+def published(memory: MemoryEventSink) -> list[object]:
+    return [e for b in memory.batches for e in b.events]
+
+
+@pytest.fixture
+def sink() -> object:
+    sink = ZmqEventSink("tcp://127.0.0.1:*", "tcp://127.0.0.1:*")
+    yield sink
+    sink.close()
+
+
+def sent(sink: ZmqEventSink, batches: int) -> None:
+    """Wait until the sink's thread has published ``batches`` batches (replayable)."""
+    deadline = time.monotonic() + 10
+    while len(sink._buffer) < batches:  # the replay ring: what went out on the wire
+        assert time.monotonic() < deadline, "the sink did not publish"
+        time.sleep(0.01)
+
+
+def test_the_engines_batches_replayed_are_printed_and_consistent(sink: ZmqEventSink) -> None:
+    memory = MemoryEventSink()
+    *_, tier = serve([sink, memory])
+    events = published(memory)
+    sent(sink, len(memory.batches))
+    done = kvhex(
+        "events",
+        sink.endpoint,
+        "--replay",
+        str(sink.replay_endpoint),
+        "--count",
+        str(len(events)),
+        "--duration",
+        "30",
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    lines = done.stdout.splitlines()
+    shown = [line for line in lines if "(replayed)" in line]
+    assert len(shown) == len(events)
+    for line, event in zip(shown, events, strict=True):
+        assert type(event).__name__ in line
+        if isinstance(event, BlockStored):
+            assert f"first={event.block_hashes[0].hex()[:16]}" in line
+            assert f"block_size={event.block_size}" in line
+            assert f"tokens={len(event.token_ids)}" in line
+    summary = "\n".join(lines[lines.index("--") :])
+    locality = tier.identity.locality
+    storage = f"STORAGE({locality.value if locality else '-'},mem)"
+    held = REQUESTS * CHUNKS * 2  # the secondary tier keeps every chunk; reset empties CPU
+    assert f"blocks held at the end: CPU 0, {storage} {held}" in summary
+    assert "sequence gaps: none" in summary
+    assert "removals of hashes not stored: none" in summary
+    assert summary.endswith("consistent")
+
+
+def test_a_live_stream_is_followed_and_gaps_are_filled_from_the_replay(
+    sink: ZmqEventSink,
+) -> None:
+    memory = MemoryEventSink()
+    steps = serve([sink, memory])
+    next(steps)  # published before the command subscribes: only the replay has it
+    sent(sink, 1)
+    total = 24  # what the workload publishes (checked below)
+    watcher = spawn(
+        "events",
+        sink.endpoint,
+        "--replay",
+        str(sink.replay_endpoint),
+        "--count",
+        str(total),
+        "--json",
+        "--duration",
+        "60",
+    )
+    try:
+        time.sleep(0.5)
+        for _ in steps:
+            time.sleep(0.05)  # paced: the subscriber sees them live
+        out, err = watcher.communicate(timeout=60)
+    finally:
+        watcher.kill()
+    assert len(published(memory)) == total
+    assert watcher.returncode == 0, out + err
+    records = [json.loads(line) for line in out.splitlines()]
+    events, summary = records[:-1], records[-1]
+    assert len(events) == total
+    seqs = [e["seq"] for e in events]
+    assert seqs == sorted(seqs)
+    assert seqs[0] == 0
+    assert events[0]["replayed"] is True
+    assert events[-1]["replayed"] is False
+    assert [e["type"] for e in events] == [type(e).__name__ for e in published(memory)]
+    first = published(memory)[0]
+    assert isinstance(first, BlockStored)
+    assert events[0]["block_hashes"] == [h.hex() for h in first.block_hashes]
+    assert events[0]["token_ids"] == first.token_ids
+    assert summary["type"] == "Summary"
+    assert summary["consistent"] is True
+    assert summary["gaps"] == []
+    assert summary["batches"] == len(memory.batches)
+
+
+class Publisher:
+    """A hand-driven publisher with vLLM's framing, where what goes out live and what the
+    replay socket holds are chosen separately (a message lost on the way, a bad payload)."""
+
+    def __init__(self) -> None:
+        ctx = zmq.Context.instance()
+        self.pub = ctx.socket(zmq.PUB)
+        self.pub.bind("tcp://127.0.0.1:*")
+        self.endpoint = self.pub.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.router = ctx.socket(zmq.ROUTER)
+        self.router.bind("tcp://127.0.0.1:*")
+        self.replay_endpoint = self.router.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.buffer: list[tuple[int, bytes]] = []
+        self.requests: list[int] = []  # start sequences asked for
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._serve, daemon=True)
+        self._thread.start()
+
+    def send(self, seq: int, payload: bytes, *, live: bool = True) -> None:
+        with self._lock:
+            self.buffer.append((seq, payload))
+        if live:
+            self.pub.send_multipart((b"", seq.to_bytes(8, "big"), payload))
+
+    def _serve(self) -> None:
+        while not self._stop.is_set():
+            if not self.router.poll(20):
+                continue
+            client, _, start = self.router.recv_multipart()
+            first = int.from_bytes(start, "big")
+            with self._lock:
+                self.requests.append(first)
+                held = [(s, p) for s, p in self.buffer if s >= first]
+            for seq, payload in held:
+                self.router.send_multipart((client, b"", b"", seq.to_bytes(8, "big"), payload))
+            self.router.send_multipart(
+                (client, b"", b"", (-1).to_bytes(8, "big", signed=True), b"")
+            )
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.pub.close(linger=0)
+        self.router.close(linger=0)
+
+
+@pytest.fixture
+def publisher() -> Iterator[Publisher]:
+    publisher = Publisher()
+    yield publisher
+    publisher.close()
+
+
+def wire(*events: object, ts: float = 1.0) -> bytes:
+    return encode_batch(EventBatch(ts, list(events)))
+
+
+def test_a_batch_lost_on_the_live_stream_is_fetched_from_the_replay(
+    publisher: Publisher,
+) -> None:
+    stored = BlockStored([b"\1" * 32], None, [1, 2, 3, 4], 4, None, "CPU", None)
+    watcher = spawn(
+        "events",
+        publisher.endpoint,
+        "--replay",
+        publisher.replay_endpoint,
+        "--count",
+        "3",
+        "--json",
+        "--duration",
+        "60",
+    )
+    try:
+        deadline = time.monotonic() + 30
+        while not publisher.requests:  # its first replay: it has subscribed by now
+            assert time.monotonic() < deadline, "the command never asked for a replay"
+            time.sleep(0.01)
+        time.sleep(0.3)
+        publisher.send(0, wire(stored))
+        publisher.send(1, wire(BlockRemoved([b"\1" * 32], "CPU")), live=False)  # lost
+        publisher.send(2, wire(stored))
+        out, err = watcher.communicate(timeout=60)
+    finally:
+        watcher.kill()
+    assert watcher.returncode == 0, out + err
+    records = [json.loads(line) for line in out.splitlines()]
+    assert [(r["seq"], r["type"]) for r in records[:-1]] == [
+        (0, "BlockStored"),
+        (1, "BlockRemoved"),
+        (2, "BlockStored"),
+    ]
+    assert records[1]["replayed"] is True
+    assert records[2]["replayed"] is False
+    assert len(publisher.requests) >= 2  # the initial replay, then the one for the gap
+    assert publisher.requests[-1] <= 1
+    assert records[-1]["consistent"] is True
+    assert records[-1]["blocks"] == {"CPU": 1}
+
+
+def test_an_undecodable_batch_is_shown_and_inconsistent(publisher: Publisher) -> None:
+    publisher.send(0, wire(AllBlocksCleared()))
+    publisher.send(1, b"not msgpack at all")
+    publisher.send(2, wire(AllBlocksCleared()))
+    done = kvhex(
+        "events",
+        publisher.endpoint,
+        "--replay",
+        publisher.replay_endpoint,
+        "--count",
+        "2",
+        "--duration",
+        "30",
+    )
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "     1 undecodable batch:" in done.stdout
+    assert "undecodable batches: 1" in done.stdout
+    assert "sequence gaps: none" in done.stdout
+
+
+def test_a_removal_of_an_unknown_hash_is_inconsistent(sink: ZmqEventSink) -> None:
+    stored = BlockStored([b"\1" * 32, b"\2" * 32], None, list(range(8)), 4, None, "CPU", None)
+    sink.publish(EventBatch(1.0, [stored]))
+    sink.publish(EventBatch(2.0, [BlockRemoved([b"\2" * 32, b"\x09" * 32], "CPU")]))
+    sink.publish(EventBatch(3.0, [stored, stored, AllBlocksCleared()]))
+    sent(sink, 3)
+    done = kvhex(
+        "events",
+        sink.endpoint,
+        "--replay",
+        str(sink.replay_endpoint),
+        "--count",
+        "5",
+        "--duration",
+        "30",
+    )
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "removals of hashes not stored: CPU 1" in done.stdout
+    assert "duplicate stores without removal: CPU 3" in done.stdout  # \1 again, then twice
+    assert "AllBlocksCleared: 1" in done.stdout
+    assert "blocks held at the end: none" in done.stdout
+    assert "INCONSISTENT: 1 removal(s) of hashes not stored" in done.stdout
+
+
+def test_batches_the_replay_no_longer_holds_are_a_gap() -> None:
+    sink = ZmqEventSink("tcp://127.0.0.1:*", "tcp://127.0.0.1:*", buffer_steps=2)
+    try:
+        for i in range(5):
+            sink.publish(EventBatch(float(i), [AllBlocksCleared()]))
+        sent(sink, 2)
+        time.sleep(0.2)
+        done = kvhex(
+            "events",
+            sink.endpoint,
+            "--replay",
+            str(sink.replay_endpoint),
+            "--count",
+            "2",
+            "--duration",
+            "30",
+        )
+    finally:
+        sink.close()
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "sequence gaps: missing 0-2" in done.stdout
+    assert "3 batch(es) missing" in done.stdout
+
+
+def test_a_silent_replay_socket_is_reported(sink: ZmqEventSink) -> None:
+    done = kvhex(
+        "events",
+        sink.endpoint,
+        "--replay",
+        "tcp://127.0.0.1:9",
+        "--replay-timeout",
+        "0.3",
+        "--duration",
+        "0.5",
+    )
+    assert done.returncode == 1
+    assert "did not answer" in done.stdout
+
+
+def test_nothing_received_is_no_inconsistency(sink: ZmqEventSink) -> None:
+    done = kvhex("events", sink.endpoint, "--duration", "0.3", "--quiet")
+    assert done.returncode == 0, done.stderr
+    assert "batches 0; events: none" in done.stdout
+
+
+@pytest.mark.parametrize(
+    ("args", "named"),
+    [
+        (["events"], "ENDPOINT"),
+        (["events", "tcp://127.0.0.1:1", "--count", "0"], "--count"),
+        (["events", "tcp://127.0.0.1:1", "--duration", "soon"], "--duration"),
+        (["events", "tcp://127.0.0.1:1", "--from-seq", "-1"], "--from-seq"),
+        (["events", "tcp://127.0.0.1:1", "--bogus"], "--bogus"),
+    ],
+)
+def test_bad_flags_exit_2_naming_the_flag(args: list[str], named: str) -> None:
+    done = kvhex(*args)
+    assert done.returncode == 2
+    assert named in done.stderr
+
+
+def test_an_unusable_endpoint_exits_2_naming_it() -> None:
+    done = kvhex("events", "nonsense", "--duration", "0.1")
+    assert done.returncode == 2
+    assert "ENDPOINT nonsense" in done.stderr
