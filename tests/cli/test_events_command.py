@@ -10,6 +10,7 @@ import time
 from collections.abc import Iterator
 
 import pytest
+import zmq
 
 from kvhex.adapters.memory import MemoryEventSink
 from kvhex.adapters.wire import encode_batch
@@ -17,8 +18,6 @@ from kvhex.adapters.zmq import ZmqEventSink
 from kvhex.domain.events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
 from tests.cli.command import kvhex, spawn
 from tests.cli.workload import CHUNKS, REQUESTS, serve
-
-zmq = pytest.importorskip("zmq")
 
 
 def published(memory: MemoryEventSink) -> list[object]:

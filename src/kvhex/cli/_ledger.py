@@ -119,7 +119,7 @@ class StreamLedger:
         return self.expected_first is None and (self.first_seq or 0) > 0
 
     def blocks(self) -> dict[str, int]:
-        """Distinct hashes held at the end, per medium label (KV groups summed)."""
+        """Distinct hashes held at the end, per medium label seen (KV groups summed)."""
         out: Counter[str] = Counter()
         for (medium, locality, ownership, _), held in self._held.items():
             out[residency_label(medium, locality, ownership)] += len(held)
