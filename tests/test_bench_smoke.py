@@ -1,10 +1,14 @@
-"""The benchmarks run end to end on tiny inputs (a smoke test: nothing here is timed)."""
+"""The benchmarks run end to end on tiny inputs, as scripts and through `kvhex bench` (a smoke
+test: nothing here is timed)."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 BENCH = Path(__file__).parent.parent / "bench"
 
@@ -129,3 +133,129 @@ def test_gpu_transfer_bench_runs_on_cpu_tensors_with_its_baseline() -> None:
         for direction in ("store", "load"):
             assert f"\n{chunk:<8} {direction:<9} " in out, (chunk, direction)
     assert "kvhex GB/s" in out
+
+
+def kvhex(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "kvhex", *args],
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=600,
+    )
+
+
+def test_json_puts_one_document_on_stdout_and_the_report_on_stderr() -> None:
+    done = subprocess.run(
+        [sys.executable, str(BENCH / "events.py"), "--quick", "--json"],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=120,
+    )
+    document = json.loads(done.stdout)  # nothing else on stdout
+    assert document["bench"] == "events"
+    cases = [row["case"] for row in document["rows"]]
+    assert cases == [
+        "translate + encode, cold (per event)",
+        "translate + encode, warm caches (per event)",
+        "retained event state per resident chunk",
+    ]
+    for row in document["rows"]:
+        assert row["kvhex"] > 0
+        assert row["baseline"] > 0
+        assert row["ratio"] == pytest.approx(row["kvhex"] / row["baseline"])
+        assert row["better"] == "lower"
+    assert "translate + encode" in done.stderr  # the human report, unchanged, on stderr
+    assert "chunk events: 640 per run" in done.stderr  # --quick sizes
+
+
+def test_kvhex_bench_quick_runs_every_benchmark_into_one_table() -> None:
+    done = kvhex("bench", "--quick")
+    assert done.returncode == 0, done.stdout + done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[0].split() == ["benchmark", "case", "kvhex", "baseline", "ratio", "unit"]
+    table = lines[1 : lines.index("")]
+    benches = {line.split()[0] for line in table}
+    assert benches == {"primary_tier", "tiering", "events", "tiers", "gpu_transfer"}
+    tiers = [line for line in table if line.startswith("tiers ")]
+    assert len(tiers) == 12  # files, nixl, s3 x 2 chunk sizes x put, get
+    assert all(line.endswith("GB/s") for line in tiers)
+    legend = lines[lines.index("") + 1 :]
+    assert len(legend) == 5
+    assert any(line.startswith("tiers (") and "higher is better" in line for line in legend)
+
+
+def test_kvhex_bench_json_and_only() -> None:
+    done = kvhex("bench", "--quick", "--only", "primary-tier", "--json")
+    assert done.returncode == 0, done.stderr
+    document = json.loads(done.stdout)
+    assert document["failed"] == []
+    assert {row["bench"] for row in document["rows"]} == {"primary_tier"}
+    assert "lookup (lru)" in [row["case"] for row in document["rows"]]
+    assert "running primary_tier (quick)" in done.stderr
+
+
+def test_kvhex_bench_reports_a_failing_benchmark_and_reads_rows_not_text(
+    tmp_path: Path,
+) -> None:
+    (tmp_path / "events.py").write_text(
+        "import sys\nprint('boom: no such device', file=sys.stderr)\nsys.exit(3)\n"
+    )
+    rows = [
+        {
+            "case": "c1",
+            "kvhex": 2.0,
+            "baseline": 4.0,
+            "ratio": 0.5,
+            "unit": "GB/s",
+            "baseline_name": "raw",
+            "better": "higher",
+        },
+        {
+            "case": "c2",
+            "kvhex": 1234.5,
+            "baseline": None,
+            "ratio": None,
+            "unit": "B",
+            "baseline_name": "none here",
+            "better": "lower",
+        },
+    ]
+    (tmp_path / "tiers.py").write_text(
+        "import json, sys\nprint('human text', file=sys.stderr)\n"
+        f"print(json.dumps({{'bench': 'tiers', 'rows': {rows!r}}}))\n"
+    )
+    done = kvhex("bench", "--bench-dir", str(tmp_path), "--only", "events,tiers")
+    assert done.returncode == 1
+    lines = done.stdout.splitlines()
+    assert lines[1].split() == ["tiers", "c1", "2.00", "4.00", "0.50", "GB/s"]
+    assert lines[2].split() == ["tiers", "c2", "1,234", "-", "-", "B"]
+    assert "events: FAILED (exit status 3: boom: no such device)" in lines
+    assert any(
+        line.startswith("tiers (")
+        and "vs raw (higher is better)" in line
+        and "vs none here (lower is better, not measured here)" in line
+        for line in lines
+    )
+
+
+@pytest.mark.parametrize(
+    ("args", "named"),
+    [
+        (["bench", "--only", "nope"], "--only"),
+        (["bench", "--timeout", "soon"], "--timeout"),
+        (["bench", "--bogus"], "--bogus"),
+    ],
+)
+def test_kvhex_bench_bad_flags_exit_2_naming_the_flag(args: list[str], named: str) -> None:
+    done = kvhex(*args)
+    assert done.returncode == 2
+    assert named in done.stderr
+
+
+def test_kvhex_bench_without_its_scripts_says_where_it_looked(tmp_path: Path) -> None:
+    done = kvhex("bench", "--bench-dir", str(tmp_path), "--only", "events")
+    assert done.returncode == 2
+    assert str(tmp_path) in done.stderr
+    assert "--bench-dir" in done.stderr
