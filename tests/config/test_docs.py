@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import typing
 from pathlib import Path
 
 import attrs
@@ -15,8 +16,11 @@ DOC = Path(__file__).parent.parent.parent / "docs" / "configuration.md"
 def _model_keys(cls: type, prefix: str) -> set[str]:
     keys: set[str] = set()
     for field in attrs.fields(cls):
+        inner = typing.get_args(field.type)[0] if typing.get_origin(field.type) is tuple else None
         if isinstance(field.type, type) and attrs.has(field.type):
             keys |= _model_keys(field.type, f"{prefix}{field.name}.")
+        elif isinstance(inner, type) and attrs.has(inner):  # an array of tables
+            keys |= _model_keys(inner, f"{prefix}{field.name}.")
         else:
             keys.add(f"{prefix}{field.name}")
     return keys
@@ -26,7 +30,7 @@ def _documented_keys() -> set[str]:
     section = None
     keys: set[str] = set()
     for line in DOC.read_text().splitlines():
-        heading = re.match(r"## `\[(\w+(?:\.\w+)*)\]`", line)
+        heading = re.match(r"## `\[\[?(\w+(?:\.\w+)*)\]\]?`", line)
         if heading:
             section = heading.group(1)
             continue
