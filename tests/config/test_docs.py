@@ -9,6 +9,7 @@ from pathlib import Path
 import attrs
 
 from kvhex.config import KvhexConfig
+from kvhex.config.loader import loads_toml
 
 DOC = Path(__file__).parent.parent.parent / "docs" / "configuration.md"
 
@@ -42,3 +43,12 @@ def _documented_keys() -> set[str]:
 
 def test_every_config_key_is_documented_and_no_stale_key_remains() -> None:
     assert _documented_keys() == _model_keys(KvhexConfig, "")
+
+
+def test_the_readme_configuration_loads() -> None:
+    readme = (DOC.parent.parent / "README.md").read_text()
+    blocks = re.findall(r"```toml\n(.*?)```", readme, flags=re.S)
+    assert blocks, "README shows a configuration"
+    for block in blocks:
+        config = loads_toml(block, source="README.md")
+        assert config.tiers, "the README example configures secondary tiers"
