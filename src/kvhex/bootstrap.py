@@ -139,13 +139,6 @@ def build_tier(
         TierError: the tier was configured correctly but cannot run (e.g. an unwritable
             root); it names the tier.
     """
-    if name not in registry.names(TIERS):
-        available = ", ".join(registry.names(TIERS)) or "none installed"
-        raise ConfigError([(path, f"unknown kvhex tier {name!r}; available: {available}")], source)
-    try:
-        factory = registry.load(TIERS, name)
-    except PluginError as exc:
-        raise ConfigError([(path, str(exc))], source) from exc
     kwargs: dict[str, Any] = {}
     issues: list[ConfigIssue] = []
     for key, value in options.items():
@@ -153,20 +146,62 @@ def build_tier(
             kwargs[key] = _tier_value(key, value)
         except ValueError as exc:
             issues.append((f"{path}.{key}", str(exc)))
-    issues.extend(_signature_issues(factory, kwargs, path, takes_host=True))
+    tier: TierStore = _build_plugin(
+        TIERS,
+        "kvhex tier",
+        TierStore,
+        name,
+        registry,
+        options=kwargs,
+        args=(host,),
+        issues=issues,
+        path=path,
+        source=source,
+    )
+    return tier
+
+
+def _build_plugin(
+    group: str,
+    label: str,
+    port: type[Any],
+    name: str,
+    registry: Registry,
+    *,
+    options: Mapping[str, Any],
+    args: tuple[Any, ...],
+    issues: list[ConfigIssue],
+    path: str,
+    source: str | None,
+) -> Any:
+    """Load entry point ``name`` of ``group``, check ``options`` against its signature (with
+    ``args`` passed first), build it and check it implements ``port``; every failure a
+    ``ConfigError`` at ``path`` naming the plugin (``issues`` already found come first)."""
+    if name not in registry.names(group):
+        available = ", ".join(registry.names(group)) or "none installed"
+        raise ConfigError([(path, f"unknown {label} {name!r}; available: {available}")], source)
+    try:
+        factory = registry.load(group, name)
+    except PluginError as exc:
+        raise ConfigError([(path, str(exc))], source) from exc
+    issues = [*issues, *_signature_issues(factory, options, path, takes_host=bool(args))]
     if issues:
         raise ConfigError(issues, source)
     try:
-        tier = factory(host, **kwargs)
+        built = factory(*args, **options)
+    except ConfigError as exc:  # the plugin judged a value (e.g. a path it cannot open)
+        raise ConfigError([(path, m) for _, m in exc.issues], source) from exc
     except (TypeError, ValueError) as exc:
         raise ConfigError(
-            [(path, f"tier {name!r} rejected its options: {type(exc).__name__}: {exc}")], source
+            [(path, f"{label} {name!r} rejected its options: {type(exc).__name__}: {exc}")],
+            source,
         ) from exc
-    if not isinstance(tier, TierStore):
+    if not isinstance(built, port):
         raise ConfigError(
-            [(path, f"tier {name!r} built a {type(tier).__name__}, not a TierStore")], source
+            [(path, f"{label} {name!r} built a {type(built).__name__}, not a {port.__name__}")],
+            source,
         )
-    return tier
+    return built
 
 
 def _tier_value(key: str, value: Any) -> Any:
@@ -227,28 +262,18 @@ def build_sink(
         ConfigError: at ``path`` or ``path.<option>``, as for :func:`build_tier`.
         OSError: the sink cannot open what it writes to (a path, a port).
     """
-    if name not in registry.names(SINKS):
-        available = ", ".join(registry.names(SINKS)) or "none installed"
-        raise ConfigError([(path, f"unknown event sink {name!r}; available: {available}")], source)
-    try:
-        factory = registry.load(SINKS, name)
-    except PluginError as exc:
-        raise ConfigError([(path, str(exc))], source) from exc
-    issues = _signature_issues(factory, options, path, takes_host=False)
-    if issues:
-        raise ConfigError(issues, source)
-    try:
-        sink = factory(**options)
-    except ConfigError as exc:  # the sink judged a value (e.g. a path it cannot open)
-        raise ConfigError([(path, m) for _, m in exc.issues], source) from exc
-    except (TypeError, ValueError) as exc:
-        raise ConfigError(
-            [(path, f"sink {name!r} rejected its options: {type(exc).__name__}: {exc}")], source
-        ) from exc
-    if not isinstance(sink, EventSink):
-        raise ConfigError(
-            [(path, f"sink {name!r} built a {type(sink).__name__}, not an EventSink")], source
-        )
+    sink: EventSink = _build_plugin(
+        SINKS,
+        "event sink",
+        EventSink,
+        name,
+        registry,
+        options=options,
+        args=(),
+        issues=[],
+        path=path,
+        source=source,
+    )
     return sink
 
 
