@@ -34,6 +34,10 @@ class Stack:
             raise ConfigError(
                 [("$.run.device", "cuda requested but no CUDA device is available")], source
             )
+        if run.page_bytes % 8:
+            raise ConfigError(
+                [("$.run.page_bytes", f"must be a multiple of 8, got {run.page_bytes}")], source
+            )
         use_cuda = run.device == "cuda" or (run.device == "auto" and torch.cuda.is_available())
         self.device = "cuda" if use_cuda else "cpu"
         group = KvGroup(0, run.tokens_per_block, run.blocks_per_chunk)

@@ -145,6 +145,8 @@ class Replay:
         self.bpc = self.group.blocks_per_chunk
         self.tokens_per_chunk = self.group.tokens_per_chunk
         self.page = int(self.kv[0].shape[1])
+        if self.page % 8:
+            raise ValueError(f"page_bytes must be a multiple of 8, got {self.page}")
         self.num_blocks = int(self.kv[0].shape[0])
         gen = torch.Generator().manual_seed(seed)
         device = self.kv[0].device
@@ -237,34 +239,38 @@ class Replay:
             )
         return [self.free.pop() for _ in range(n)]
 
-    def _expected(self, keys: Sequence[OffloadKey], layer: int) -> torch.Tensor:
-        """The bytes of every block of ``keys``' chunks in ``layer``: (n * bpc, page)."""
+    def _patterns(self, keys: Sequence[OffloadKey]) -> torch.Tensor:
+        """Eight bytes per block of ``keys``' chunks, from the key and the block's index:
+        ``(n * bpc, 1, 8)``."""
         words = [
             int.from_bytes(bytes(k[:8]), "little") ^ (j * 0x9E3779B97F4A7C15 % (1 << 64))
             for k in keys
             for j in range(self.bpc)
         ]
-        pattern = torch.tensor(
-            [list(w.to_bytes(8, "little")) for w in words], dtype=torch.uint8
-        ).to(self.base[layer].device)
-        tiled = pattern.repeat(1, -(-self.page // 8))[:, : self.page]
-        return self.base[layer].unsqueeze(0) ^ tiled
+        raw = b"".join(w.to_bytes(8, "little") for w in words)
+        pattern = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+        return pattern.view(-1, 1, 8).to(self.base[0].device)
+
+    def _expected(self, patterns: torch.Tensor, layer: int) -> torch.Tensor:
+        """The bytes of those blocks in ``layer``: its base page XOR the tiled patterns."""
+        base = self.base[layer].view(1, self.page // 8, 8)
+        return (base ^ patterns).view(-1, self.page)
 
     def _compute(self, keys: Sequence[OffloadKey], blocks: list[int]) -> None:
         if not keys:
             return
+        patterns = self._patterns(keys)
         index = torch.tensor(blocks[: len(keys) * self.bpc], device=self.kv[0].device)
         for layer, cache in enumerate(self.kv):
-            cache.index_copy_(0, index, self._expected(keys, layer))
+            cache.index_copy_(0, index, self._expected(patterns, layer))
 
     def _check(self, keys: Sequence[OffloadKey], blocks: list[int]) -> None:
+        patterns = self._patterns(keys)
         index = torch.tensor(blocks[: len(keys) * self.bpc], device=self.kv[0].device)
-        bad = torch.zeros(len(keys) * self.bpc, dtype=torch.bool, device=self.kv[0].device)
         for layer, cache in enumerate(self.kv):
             got = cache.index_select(0, index)
-            bad |= (got != self._expected(keys, layer)).any(dim=1)
+            self.report.blocks_bad += int((got != self._expected(patterns, layer)).any(dim=1).sum())
         self.report.blocks_checked += len(keys) * self.bpc * len(self.kv)
-        self.report.blocks_bad += int(bad.sum()) * len(self.kv)
 
     def _copy(self, kind: TransferKind, slots: Sequence[int], blocks: list[int]) -> bool:
         """One whole-chunk copy, waited for; False when it failed."""
