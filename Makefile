@@ -1,6 +1,6 @@
-# kvhex developer commands. `make test` works on a fresh machine: it builds .venv from
-# nothing (torch==2.13.0 first, so no CUDA build is ever pulled), installs kvhex with its test
-# extras, and runs every check CI runs. It also builds .venv-vllm, a second environment with
+# kvhex developer commands. `make run` and `make test` work on a fresh machine: both build
+# .venv from nothing (torch==2.13.0 first, so no CUDA build is ever pulled) and install kvhex
+# with its test extras; `make run` then runs `kvhex run`, `make test` every check CI runs. It also builds .venv-vllm, a second environment with
 # vLLM 0.33.0 (installed with --no-deps, plus the few packages its offloading code imports on
 # CPU), where the tests in tests/vllm run against vLLM's real classes; in .venv they skip.
 
@@ -22,7 +22,12 @@ VLLM_DEPS := msgspec==0.23.0 psutil==7.2.2 pyzmq==27.3.0 cbor2==6.3.0 transforme
 	xgrammar==0.2.8 fastapi==0.136.3 partial-json-parser==0.2.1.1.post7 llguidance==1.7.6 \
 	pydantic==2.14.4 einops==0.8.2
 
-.PHONY: test check lint typecheck layers pytest vllm-test bench clean
+.PHONY: run test check lint typecheck layers pytest vllm-test bench clean
+
+# kvhex's main job on its embedded default: a synthetic chat workload through torch transfers,
+# the host tier and a file tier in a temporary directory (ARGS="--json", "--help", ...).
+run: $(STAMP)
+	$(BIN)/kvhex run $(ARGS)
 
 test: $(STAMP) check vllm-test
 

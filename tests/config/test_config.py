@@ -32,7 +32,9 @@ def test_every_bad_path_is_reported_at_once() -> None:
             "store_threshhold": 2,
             "max_tracker_size": "big",
         },
-        "tiers": [],
+        "tierz": [],
+        "tiers": [{"type": "fsspec", "options": []}],
+        "run": {"device": "gpu"},
     }
     with pytest.raises(ConfigError) as info:
         load_config(bad)
@@ -42,10 +44,13 @@ def test_every_bad_path_is_reported_at_once() -> None:
         "$.primary.policy",
         "$.primary.store_threshhold",
         "$.primary.max_tracker_size",
-        "$.tiers",
+        "$.tierz",
+        "$.tiers[0].options",
+        "$.run.device",
     }
     text = str(err)
     assert "did you mean 'store_threshold'?" in text
+    assert "did you mean 'tiers'?" in text
     assert "must be greater than 0" in text
     assert isinstance(err, ValueError)
 

@@ -18,7 +18,14 @@ from kvhex.domain.events import EventBatch, Removed, Stored, TierEvent
 from kvhex.domain.jobs import JobId, JobKind, JobResult, TierJob
 from kvhex.domain.keys import OffloadKey
 from kvhex.domain.tiers import Locality, Medium, TierIdentity
-from kvhex.domain.transfer import ChunkRun, SlotLayout, TransferJob, TransferKind, TransferResult
+from kvhex.domain.transfer import (
+    ChunkRun,
+    SlotLayout,
+    TransferJob,
+    TransferKind,
+    TransferResult,
+    check_submission,
+)
 from kvhex.errors import TierUnavailable, TransferError
 from kvhex.ports.host_buffer import HostBuffer
 
@@ -384,14 +391,7 @@ class MemoryBlockTransfer:
         self._submit(TransferKind.LOAD, job)
 
     def _submit(self, kind: TransferKind, job: TransferJob) -> None:
-        if self._closed:
-            raise TransferError("the transfer is closed", job_id=job.job_id)
-        if job.kind is not kind:
-            raise TransferError(
-                f"a {job.kind.value} job submitted as a {kind.value}",
-                job_id=job.job_id,
-                field="kind",
-            )
+        check_submission(job, kind, closed=self._closed)
         runs = self.layout.plan(job, num_slots=self._host.num_slots, num_blocks=self._num_blocks)
         self._queues[kind].append((job, runs))
 

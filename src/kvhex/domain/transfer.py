@@ -31,7 +31,15 @@ import attrs
 from kvhex.domain.jobs import JobId
 from kvhex.errors import TransferError
 
-__all__ = ["ByteRange", "ChunkRun", "SlotLayout", "TransferJob", "TransferKind", "TransferResult"]
+__all__ = [
+    "ByteRange",
+    "ChunkRun",
+    "SlotLayout",
+    "TransferJob",
+    "TransferKind",
+    "TransferResult",
+    "check_submission",
+]
 
 
 class TransferKind(enum.Enum):
@@ -400,3 +408,17 @@ class SlotLayout:
                             continue
                     ranges.append(ByteRange(stage, host, length))
         return ranges
+
+
+def check_submission(job: TransferJob, kind: TransferKind, *, closed: bool) -> None:
+    """What every ``BlockTransfer`` checks first: it is open, and ``job`` goes ``kind``.
+
+    Raises:
+        TransferError: naming the job (and ``field="kind"`` for a job of the other direction).
+    """
+    if closed:
+        raise TransferError("the transfer is closed", job_id=job.job_id)
+    if job.kind is not kind:
+        raise TransferError(
+            f"a {job.kind.value} job submitted as a {kind.value}", job_id=job.job_id, field="kind"
+        )

@@ -20,6 +20,7 @@ Threading: every method runs on the scheduler thread. Only ``reset`` and ``shutd
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -71,7 +72,24 @@ class TierStats:
     poll_errors: int = 0
     bytes_put: int = 0
     bytes_got: int = 0
+    put_seconds: float = 0.0
+    """Time with at least one put running (jobs overlapping in time count once)."""
+    get_seconds: float = 0.0
+    """Time with at least one get running."""
     in_flight: int = 0
+    _put_until: float = attrs.field(default=0.0, repr=False, eq=False)
+    _get_until: float = attrs.field(default=0.0, repr=False, eq=False)
+
+    def add_busy(self, kind: JobKind, start: float, end: float) -> None:
+        """Add a job that ran from ``start`` to ``end`` to the busy time of its direction,
+        counting only what does not overlap the jobs added before (results arrive about in
+        completion order, so this is the union of the intervals)."""
+        if kind is JobKind.PUT:
+            self.put_seconds += max(0.0, end - max(start, self._put_until))
+            self._put_until = max(self._put_until, end)
+        elif kind is JobKind.GET:
+            self.get_seconds += max(0.0, end - max(start, self._get_until))
+            self._get_until = max(self._get_until, end)
 
 
 @attrs.frozen
@@ -136,7 +154,7 @@ class TieringManager:
             self._tiers.append(
                 _Tier(i, store, make_admission(i), hooks, ProbeCache(), set(), TierStats(name))
             )
-        self._jobs: dict[JobId, tuple[TierJob, _Tier]] = {}
+        self._jobs: dict[JobId, tuple[TierJob, _Tier, float]] = {}  # job, tier, submitted
         self._next_job = 0
         self._promotions: list[dict[ReqContext, tuple[list[OffloadKey], list[int]]]] = [
             {} for _ in self._tiers
@@ -283,7 +301,7 @@ class TieringManager:
             self._submit(tier, job, tier.store.submit_put)
 
     def _submit(self, tier: _Tier, job: TierJob, submit: Callable[[TierJob], None]) -> None:
-        self._jobs[job.job_id] = (job, tier)
+        self._jobs[job.job_id] = (job, tier, time.perf_counter())
         tier.stats.in_flight += 1
         try:
             submit(job)
@@ -296,7 +314,8 @@ class TieringManager:
                 kind=job.kind.value,
                 error=repr(exc),
             )
-            self._finish(tier, job, JobResult(job.job_id, False, error=repr(exc)))
+            failed = JobResult(job.job_id, False, error=repr(exc))
+            self._finish(tier, job, failed, self._jobs[job.job_id][2])
 
     def _new_job_id(self) -> JobId:
         self._next_job += 1
@@ -393,13 +412,15 @@ class TieringManager:
                         "tier_reported_unknown_job", tier=tier.stats.name, job_id=result.job_id
                     )
                     continue
-                self._finish(tier, entry[0], result)
+                self._finish(tier, entry[0], result, entry[2])
 
-    def _finish(self, tier: _Tier, job: TierJob, result: JobResult) -> None:
+    def _finish(self, tier: _Tier, job: TierJob, result: JobResult, submitted: float) -> None:
         """Apply one job's result with the context the job carries."""
         del self._jobs[job.job_id]
         tier.stats.in_flight -= 1
         stats = tier.stats
+        if result.seconds is not None and job.kind is not JobKind.PROBE:
+            stats.add_busy(job.kind, submitted, submitted + result.seconds)
         if job.kind is JobKind.PUT:
             self._primary.unpin(job.keys)
             tier.admission.on_completed(result)
@@ -481,7 +502,7 @@ class TieringManager:
         self._polled = False
         self._poll()
         if self._jobs:
-            names = sorted({tier.stats.name for _, tier in self._jobs.values()})
+            names = sorted({tier.stats.name for _, tier, _ in self._jobs.values()})
             raise TierError(
                 f"{len(self._jobs)} jobs still unreported after drain", tier=",".join(names)
             )

@@ -26,7 +26,14 @@ import torch
 
 from kvhex.adapters.torch.staging import StagedCopier, Staging, block_bytes
 from kvhex.domain.jobs import JobId
-from kvhex.domain.transfer import ChunkRun, SlotLayout, TransferJob, TransferKind, TransferResult
+from kvhex.domain.transfer import (
+    ChunkRun,
+    SlotLayout,
+    TransferJob,
+    TransferKind,
+    TransferResult,
+    check_submission,
+)
 from kvhex.errors import TransferError
 from kvhex.ports.host_buffer import HostBuffer
 
@@ -222,14 +229,7 @@ class TorchBlockTransfer:
 
     # -- submission --------------------------------------------------------------------------
     def _submit(self, kind: TransferKind, job: TransferJob) -> None:
-        if self._closed:
-            raise TransferError("the transfer is closed", job_id=job.job_id)
-        if job.kind is not kind:
-            raise TransferError(
-                f"a {job.kind.value} job submitted as a {kind.value}",
-                job_id=job.job_id,
-                field="kind",
-            )
+        check_submission(job, kind, closed=self._closed)
         runs = self.layout.plan(job, num_slots=self._num_slots, num_blocks=self._num_blocks)
         lane = self._lanes[kind]
         pending = _Pending(job.job_id)

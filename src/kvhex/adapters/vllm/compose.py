@@ -8,27 +8,24 @@ in vLLM with no vLLM-specific code.
 
 from __future__ import annotations
 
-import inspect
 import os
 import shutil
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import structlog
 
 from kvhex.adapters.vllm.settings import SOURCE, TierSettings, VllmSettings
-from kvhex.bootstrap import build_policy, build_tier
+from kvhex.bootstrap import TierSpec, assemble_engine, build_policy, build_tier, tier_options
 from kvhex.domain.backpressure import AdmissionPolicy, AlwaysAdmit, EmaBackpressure
 from kvhex.domain.geometry import KvGeometry
 from kvhex.domain.primary import PrimaryTier
 from kvhex.domain.translate import EventTranslator
-from kvhex.errors import ConfigError, PluginError
-from kvhex.plugins import TIERS, Registry
+from kvhex.errors import ConfigError
+from kvhex.plugins import Registry
 from kvhex.ports.host_buffer import HostBuffer
 from kvhex.ports.tier_store import TierStore
 from kvhex.service.engine import OffloadEngine
-from kvhex.service.events import EventPipeline
-from kvhex.service.tiering import TieringManager
 
 __all__ = [
     "DEFAULT_OBJECT_CAPACITY",
@@ -103,18 +100,6 @@ def free_bytes(path: str) -> int:
     return shutil.disk_usage(probe).free
 
 
-def _parameters(registry: Registry, plugin: str) -> set[str] | None:
-    """Keyword names the tier factory takes (``None``: any, or not resolvable here)."""
-    try:
-        factory = registry.load(TIERS, plugin)
-        params = inspect.signature(factory).parameters
-    except (PluginError, TypeError, ValueError):
-        return None  # build_tier reports an unknown or broken plugin with its path
-    if any(p.kind is p.VAR_KEYWORD for p in params.values()):
-        return None
-    return set(params)
-
-
 def build_tier_store(
     tier: TierSettings,
     host: HostBuffer,
@@ -128,29 +113,21 @@ def build_tier_store(
         ConfigError: naming the tier entry or its option (see ``bootstrap.build_tier``).
         TierError: the tier cannot run as configured (e.g. an unwritable root).
     """
-    options = dict(tier.options)
-    accepted = _parameters(registry, tier.plugin)
-    if accepted is None or "name" in accepted:
-        options["name"] = tier.name
-    if accepted is None or "namespace" in accepted:
-        options.setdefault("namespace", dict(namespace))
+    options = _tier_options(tier, registry, namespace)
+    return build_tier(tier.plugin, host, registry, options, path=tier.path, source=SOURCE)
+
+
+def _tier_options(
+    tier: TierSettings, registry: Registry, namespace: Mapping[str, Any]
+) -> dict[str, Any]:
+    options = tier_options(registry, tier.plugin, tier.name, tier.options, namespace)
     if tier.default_capacity:
         url = options.get("url")
         if tier.type == "fs" and isinstance(url, str):
             options["capacity_bytes"] = max(1, free_bytes(url))
         else:
             options["capacity_bytes"] = DEFAULT_OBJECT_CAPACITY
-    return build_tier(tier.plugin, host, registry, options, path=tier.path, source=SOURCE)
-
-
-def _admission(tiers: Sequence[TierSettings]) -> Callable[[int], AdmissionPolicy]:
-    def make(i: int) -> AdmissionPolicy:
-        bp = tiers[i].backpressure
-        if bp is None:
-            return AlwaysAdmit()
-        return EmaBackpressure(bp.alpha, bp.high_water_s, bp.low_water_s, bp.warmup, bp.probe_every)
-
-    return make
+    return options
 
 
 def build_engine(
@@ -192,23 +169,30 @@ def build_engine(
         max_tracker_size=settings.max_tracker_size,
         record_events=record_events,
     )
-    stores: list[TierStore] = []
-    try:
-        for tier in settings.tiers:
-            stores.append(build_tier_store(tier, host, registry, namespace))
-    except BaseException:
-        for store in reversed(stores):
-            try:
-                store.close()
-            except Exception as exc:
-                log.warning("tier_close_failed", tier=store.identity.ownership, error=repr(exc))
-        raise
-    manager = TieringManager(
+    specs = [
+        TierSpec(
+            tier.plugin,
+            tier.name,
+            _tier_options(tier, registry, namespace),
+            tier.path,
+            _admission(tier),
+        )
+        for tier in settings.tiers
+    ]
+    return assemble_engine(
         primary,
-        stores,
-        host=host,
-        admission=_admission(settings.tiers),
-        names=[t.name for t in settings.tiers],
+        specs,
+        host,
+        registry,
+        translator=EventTranslator(geometry, int_hashes=int_hashes),
+        source=SOURCE,
     )
-    pipeline = EventPipeline(EventTranslator(geometry, int_hashes=int_hashes))
-    return OffloadEngine(manager, pipeline), stores
+
+
+def _admission(tier: TierSettings) -> Callable[[], AdmissionPolicy]:
+    bp = tier.backpressure
+    if bp is None:
+        return AlwaysAdmit
+    return lambda: EmaBackpressure(
+        bp.alpha, bp.high_water_s, bp.low_water_s, bp.warmup, bp.probe_every
+    )

@@ -1,0 +1,146 @@
+"""The stack ``kvhex run`` drives: host buffer, device KV cache, transfer and engine, built
+from a ``KvhexConfig`` and closed in reverse order."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from types import TracebackType
+
+import structlog
+import torch
+
+from kvhex.adapters.torch import TorchBlockTransfer, TorchHostBuffer
+from kvhex.bootstrap import build_engine
+from kvhex.config.model import KvhexConfig
+from kvhex.domain.geometry import KvGeometry, KvGroup
+from kvhex.domain.transfer import SlotLayout
+from kvhex.errors import ConfigError
+from kvhex.plugins import Registry
+from kvhex.sim.driver import Replay, RunReport, run_all
+from kvhex.sim.workload import Request, read_workload, synthetic_chat
+
+__all__ = ["Stack"]
+
+log = structlog.get_logger(__name__)
+
+
+class Stack:
+    """Everything one run needs, as a context manager."""
+
+    def __init__(self, config: KvhexConfig, *, source: str | None = None) -> None:
+        run = config.run
+        self.config = config
+        if run.device == "cuda" and not torch.cuda.is_available():
+            raise ConfigError(
+                [("$.run.device", "cuda requested but no CUDA device is available")], source
+            )
+        if run.page_bytes % 8:
+            raise ConfigError(
+                [("$.run.page_bytes", f"must be a multiple of 8, got {run.page_bytes}")], source
+            )
+        use_cuda = run.device == "cuda" or (run.device == "auto" and torch.cuda.is_available())
+        self.device = "cuda" if use_cuda else "cpu"
+        group = KvGroup(0, run.tokens_per_block, run.blocks_per_chunk)
+        self.geometry = KvGeometry((group,), run.tokens_per_block)
+        layout = SlotLayout([run.page_bytes] * run.layers, [0] * run.layers, [run.blocks_per_chunk])
+        slots = config.primary.capacity_bytes // layout.slot_bytes
+        if slots == 0:
+            raise ConfigError(
+                [
+                    (
+                        "$.primary.capacity_bytes",
+                        f"{config.primary.capacity_bytes} bytes hold no chunk of "
+                        f"{layout.slot_bytes} bytes ({run.layers} layers x {run.page_bytes} "
+                        f"bytes x {run.blocks_per_chunk} blocks)",
+                    )
+                ],
+                source,
+            )
+        namespace = {
+            "model": "kvhex-run-synthetic",
+            "layers": run.layers,
+            "page_bytes": run.page_bytes,
+            "tokens_per_block": run.tokens_per_block,
+            "blocks_per_chunk": run.blocks_per_chunk,
+            "dtype": "uint8",
+        }
+        self._closers: list[Callable[[], None]] = []
+        try:
+            self.host = TorchHostBuffer(slots, layout.slot_bytes)
+            self._closers.append(self.host.close)
+            self.engine, stores = build_engine(
+                config,
+                self.host,
+                Registry.discover(),
+                geometry=self.geometry,
+                namespace=namespace,
+                source=source,
+            )
+            self._closers.append(self.engine.shutdown)
+            self.tier_labels = [
+                f"{t.name or t.type} ({s.identity.medium})"
+                for t, s in zip(config.tiers, stores, strict=True)
+            ]
+            self.kv = [
+                torch.zeros(
+                    (run.device_blocks, run.page_bytes), dtype=torch.uint8, device=self.device
+                )
+                for _ in range(run.layers)
+            ]
+            self.transfer = TorchBlockTransfer(
+                self.host,
+                self.kv,
+                tensor_groups=[0] * run.layers,
+                blocks_per_chunk=[run.blocks_per_chunk],
+            )
+            self._closers.append(self.transfer.close)
+        except BaseException:
+            self.close()
+            raise
+        self.replay = Replay(
+            self.engine,
+            self.transfer,
+            self.kv,
+            self.geometry,
+            seed=run.seed,
+            tier_names=[t.name or t.type for t in config.tiers],
+        )
+
+    def requests(self, workload: str | None) -> list[Request]:
+        """The workload file's requests, or the synthetic chat; at most ``run.requests``."""
+        run = self.config.run
+        if workload:
+            return read_workload(workload, seed=run.seed, limit=run.requests)
+        return synthetic_chat(
+            run.requests, seed=run.seed, tokens_per_chunk=self.geometry.groups[0].tokens_per_chunk
+        )
+
+    def run(
+        self,
+        requests: Sequence[Request],
+        *,
+        duration_s: float | None = None,
+        progress: Callable[[Replay, int, int], None] | None = None,
+    ) -> RunReport:
+        """Replay ``requests`` and report."""
+        return run_all(self.replay, requests, duration_s=duration_s, progress=progress)
+
+    def close(self) -> None:
+        """Close what was built, last first; keeps going past failures."""
+        while self._closers:
+            closer = self._closers.pop()
+            try:
+                closer()
+            except Exception as exc:
+                log.warning("close_failed", error=repr(exc))
+
+    def __enter__(self) -> Stack:
+        return self
+
+    def __exit__(
+        self,
+        kind: type[BaseException] | None,
+        error: BaseException | None,
+        trace: TracebackType | None,
+    ) -> None:
+        self.close()
