@@ -98,7 +98,9 @@ class TierRun:
 
 
 def timed(fn: Callable[[], None], nbytes: int) -> float:
-    """GB/s of one call."""
+    """GB/s of one call, started with no dirty page cache left by the previous one (either
+    side's writeback would otherwise throttle whichever runs next)."""
+    os.sync()
     t0 = time.perf_counter()
     fn()
     return nbytes / (time.perf_counter() - t0) / 1e9

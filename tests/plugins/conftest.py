@@ -1,5 +1,5 @@
-"""Installs the third-party fixture distributions for real (pip, no index, no network) into a
-private directory, and puts that directory on sys.path only for the tests that ask."""
+"""Installs the third-party fixture distributions and the example tier for real (pip, no index,
+no network) into private directories, and puts one on sys.path only for the tests that ask."""
 
 from __future__ import annotations
 
@@ -11,9 +11,11 @@ from pathlib import Path
 import pytest
 
 FIXTURES = Path(__file__).parent.parent / "fixtures"
+EXAMPLES = Path(__file__).parent.parent.parent / "examples"
+MODULES = ("kvhex_fifo", "kvhex_shadow", "kvhex_sqlite")  # forgotten when a site leaves sys.path
 
 
-def _install(name: str, target: Path) -> Path:
+def _install(source: Path, target: Path) -> Path:
     subprocess.run(
         [
             sys.executable,
@@ -27,7 +29,7 @@ def _install(name: str, target: Path) -> Path:
             "--no-index",
             "--target",
             str(target),
-            str(FIXTURES / name),
+            str(source),
         ],
         check=True,
     )
@@ -36,12 +38,18 @@ def _install(name: str, target: Path) -> Path:
 
 @pytest.fixture(scope="session")
 def fifo_site(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return _install("kvhex-fifo-policy", tmp_path_factory.mktemp("fifo-site"))
+    return _install(FIXTURES / "kvhex-fifo-policy", tmp_path_factory.mktemp("fifo-site"))
 
 
 @pytest.fixture(scope="session")
 def shadow_site(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return _install("kvhex-shadow-lru", tmp_path_factory.mktemp("shadow-site"))
+    return _install(FIXTURES / "kvhex-shadow-lru", tmp_path_factory.mktemp("shadow-site"))
+
+
+@pytest.fixture(scope="session")
+def sqlite_site(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The worked example tier, installed as a user would install it."""
+    return _install(EXAMPLES / "kvhex-sqlite-tier", tmp_path_factory.mktemp("sqlite-site"))
 
 
 def _on_path(site: Path) -> Iterator[Path]:
@@ -50,7 +58,7 @@ def _on_path(site: Path) -> Iterator[Path]:
         yield site
     finally:
         sys.path.remove(str(site))
-        for mod in [m for m in sys.modules if m.startswith(("kvhex_fifo", "kvhex_shadow"))]:
+        for mod in [m for m in sys.modules if m.startswith(MODULES)]:
             del sys.modules[mod]
 
 
@@ -62,3 +70,8 @@ def with_fifo(fifo_site: Path) -> Iterator[Path]:
 @pytest.fixture
 def with_shadow(shadow_site: Path) -> Iterator[Path]:
     yield from _on_path(shadow_site)
+
+
+@pytest.fixture
+def with_sqlite(sqlite_site: Path) -> Iterator[Path]:
+    yield from _on_path(sqlite_site)

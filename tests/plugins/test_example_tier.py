@@ -1,0 +1,146 @@
+"""The worked example tier (examples/kvhex-sqlite-tier), installed with pip as a user would:
+its own test suite passes, the registry finds and builds it, and ``kvhex run`` serves
+promotions from it, also after a restart on the same file."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import xml.etree.ElementTree as ET
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvhex.adapters.memory import MemoryHostBuffer
+from kvhex.bootstrap import build_tier
+from kvhex.domain import Locality, Medium, TierIdentity
+from kvhex.errors import ConfigError
+from kvhex.plugins import TIERS, Registry
+from kvhex.ports import TierStore
+from kvhex.testing import TierStoreContract
+from tests.plugins.conftest import EXAMPLES
+
+EXAMPLE = EXAMPLES / "kvhex-sqlite-tier"
+
+
+def _env(site: Path) -> dict[str, str]:
+    """This interpreter's environment with the installed example first on the path, and no
+    bytecode or cache written into the source tree."""
+    path = [str(site), *filter(None, [os.environ.get("PYTHONPATH")])]
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(path), "PYTHONDONTWRITEBYTECODE": "1"}
+
+
+def test_the_examples_own_suite_passes_against_the_installed_distribution(
+    sqlite_site: Path, tmp_path: Path
+) -> None:
+    report = tmp_path / "junit.xml"
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", f"--junitxml={report}"],
+        cwd=EXAMPLE,  # the example's own pytest settings (filterwarnings = error) apply
+        env=_env(sqlite_site),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    suite = ET.parse(report).getroot().find("testsuite")
+    assert suite is not None
+    cases = suite.findall("testcase")
+    contract = [c for c in cases if c.get("classname", "").endswith("TestSqliteTierContract")]
+    checks = [name for name in dir(TierStoreContract) if name.startswith("test_")]
+    own = (EXAMPLE / "tests" / "test_contract.py").read_text().count("\ndef test_")
+    assert sorted(c.get("name") for c in contract) == sorted(checks)
+    assert len(cases) == len(checks) + own
+    assert (suite.get("failures"), suite.get("errors"), suite.get("skipped")) == ("0", "0", "0")
+    imported = subprocess.run(
+        [sys.executable, "-c", "import kvhex_sqlite_tier; print(kvhex_sqlite_tier.__file__)"],
+        cwd=EXAMPLE,
+        env=_env(sqlite_site),
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert Path(imported.stdout.strip()).is_relative_to(sqlite_site)  # not the source tree
+
+
+def test_the_registry_finds_loads_and_builds_the_sqlite_tier(
+    with_sqlite: Path, tmp_path: Path
+) -> None:
+    registry = Registry.discover()
+    spec = next(s for s in registry.specs(TIERS) if s.name == "sqlite")
+    assert (spec.distribution, spec.version) == ("kvhex-sqlite-tier", "0.1.0")
+    assert spec.value == "kvhex_sqlite_tier:SqliteTierStore"
+    factory = registry.load(TIERS, "sqlite")
+    assert factory.__module__ == "kvhex_sqlite_tier.store"
+    assert Path(sys.modules["kvhex_sqlite_tier"].__file__ or "").is_relative_to(with_sqlite)
+    lines = registry.load_all(TIERS).lines()
+    assert "kvhex.tiers sqlite: loaded from kvhex-sqlite-tier 0.1.0" in lines
+
+    host = MemoryHostBuffer(4, 4096)
+    path = tmp_path / "kv.sqlite"
+    options = {"path": str(path), "capacity_bytes": 1 << 20, "locality": "REMOTE"}
+    tier = build_tier("sqlite", host, registry, options, path="$.tiers[0]")
+    try:
+        assert isinstance(tier, TierStore)
+        assert tier.identity == TierIdentity(Medium.STORAGE, Locality.REMOTE, "sqlite")
+        assert oct(path.stat().st_mode & 0o777) == "0o600"
+    finally:
+        tier.close()
+    with pytest.raises(ConfigError) as info:
+        build_tier("sqlite", host, registry, {"path": "x", "capacity": 5}, path="$.tiers[0]")
+    assert set(info.value.paths) == {"$.tiers[0].capacity", "$.tiers[0].capacity_bytes"}
+
+
+def _run(site: Path, config: Path) -> dict[str, Any]:
+    done = subprocess.run(
+        [sys.executable, "-m", "kvhex", "run", "--config", str(config), "--json", "--no-progress"],
+        env=_env(site),
+        capture_output=True,
+        text=True,
+        timeout=240,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    summary: dict[str, Any] = json.loads(done.stdout)
+    return summary
+
+
+def test_kvhex_run_serves_promotions_from_the_sqlite_tier_and_again_after_a_restart(
+    sqlite_site: Path, tmp_path: Path
+) -> None:
+    db = tmp_path / "cache" / "kv.sqlite"
+    config = tmp_path / "kvhex.toml"
+    config.write_text(
+        f"""
+[primary]
+capacity_bytes = 4194304
+
+[[tiers]]
+type = "sqlite"
+options = {{ path = "{db}", capacity_bytes = 67108864 }}
+
+[run]
+requests = 30
+layers = 2
+page_bytes = 4096
+device_blocks = 512
+"""
+    )
+    first = _run(sqlite_site, config)
+    assert first["tiers"] == ["sqlite (STORAGE)"]
+    assert first["hits"]["sqlite"]["chunks"] > 0  # the 4 MiB host tier overflowed
+    assert first["transfers"]["sqlite get"]["bytes"] > 0
+    assert first["events"]["BlockStored STORAGE"] > 0
+    assert first["placeholder_events"] == 0  # every block stored with its request's context
+    assert first["integrity"]["verdict"] == "intact"
+    assert first["integrity"]["blocks_checked"] > 0
+    assert oct(db.stat().st_mode & 0o777) == "0o600"
+
+    again = _run(sqlite_site, config)  # same workload, empty host tier, the same file
+    assert again["hits"]["sqlite"]["chunks"] > first["hits"]["sqlite"]["chunks"]
+    assert again["placeholder_events"] > 0  # the blocks found at start-up, without requests
+    assert again["integrity"]["verdict"] == "intact"
