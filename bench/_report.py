@@ -5,7 +5,7 @@ human lines, and anything else written to stdout (log lines, native libraries' o
 stderr, and stdout carries exactly one JSON document, which ``kvhex bench`` reads instead of
 scraping text::
 
-    {"bench": "tiers", "rows": [{"case": "files 2 MiB put", "kvhex": 2.56, "baseline": 4.9,
+    {"bench": "tiers", "rows": [{"case": "files 2048 KiB put", "kvhex": 2.56, "baseline": 4.9,
       "ratio": 0.52, "unit": "GB/s", "baseline_name": "raw os.pwrite", "better": "higher"}]}
 
 ``ratio`` is kvhex / baseline as the script computed it (some scripts take the median of
