@@ -39,12 +39,16 @@ from typing import Any
 import attrs
 
 from kvhex.adapters.fsspec import (
+    CONFIG,
     HEADER,
     HEADER_AREA,
     INDEX,
+    KNOWN_ENTRIES,
     LAYOUT_VERSION,
     MAGIC,
+    SLAB_DIR,
     header_matches,
+    is_slab_id,
     namespace_digest,
 )
 from kvhex.domain.keys import OffloadKey
@@ -59,9 +63,8 @@ __all__ = [
     "check_root",
 ]
 
-SLABS = "slabs"
-CONFIG = "config.json"
-KNOWN = frozenset({CONFIG, INDEX, INDEX + "-wal", INDEX + "-shm", SLABS})
+SLABS = SLAB_DIR
+KNOWN = KNOWN_ENTRIES
 """What a namespace directory holds besides foreign files."""
 _HEX = frozenset("0123456789abcdef")
 
@@ -183,10 +186,6 @@ def _looks_like_namespace(path: Path) -> bool:
     return any((path / name).exists() for name in (CONFIG, INDEX, SLABS))
 
 
-def _is_slab_id(stem: str) -> bool:
-    return len(stem) == 32 and set(stem) <= _HEX
-
-
 def check_namespace(path: str | os.PathLike[str]) -> NamespaceReport:
     """Check one namespace directory (never raises for what it finds inside)."""
     return _Checker(Path(path)).run()
@@ -283,9 +282,9 @@ class _Checker:
         for entry in entries:
             stem, _, ext = entry.partition(".")
             full = slab_dir / entry
-            if _is_slab_id(stem) and ext == "slab" and full.is_file():
+            if is_slab_id(stem) and ext == "slab" and full.is_file():
                 slabs[stem] = full
-            elif _is_slab_id(stem) and ext == "new" and full.is_file():
+            elif is_slab_id(stem) and ext == "new" and full.is_file():
                 self.unfinished.append(entry)
             else:
                 self.foreign.append(f"{SLABS}/{entry}")

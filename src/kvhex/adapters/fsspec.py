@@ -65,7 +65,21 @@ from kvhex.domain.tiers import Locality, Medium, TierIdentity
 from kvhex.errors import TierUnavailable
 from kvhex.ports.host_buffer import HostBuffer
 
-__all__ = ["HEADER_AREA", "LAYOUT_VERSION", "FsspecTierStore", "namespace_digest"]
+__all__ = [
+    "CONFIG",
+    "HEADER",
+    "HEADER_AREA",
+    "INDEX",
+    "KNOWN_ENTRIES",
+    "LAYOUT_VERSION",
+    "MAGIC",
+    "SLAB_DIR",
+    "FsspecTierStore",
+    "header_matches",
+    "is_slab_id",
+    "namespace_digest",
+    "pack_header",
+]
 
 log = structlog.get_logger(__name__)
 
@@ -80,6 +94,10 @@ SUFFIX = ".blk"
 SLAB_BYTES = 1 << 30
 """Target size of one slab file; a tier smaller than this gets one slab of its size."""
 INDEX = "index.sqlite"
+CONFIG = "config.json"
+SLAB_DIR = "slabs"
+KNOWN_ENTRIES = frozenset({CONFIG, INDEX, INDEX + "-wal", INDEX + "-shm", SLAB_DIR})
+"""What a local namespace directory holds; anything else in it is foreign."""
 _SQL_VARS = 500  # keys per ``IN (...)`` query, under SQLite's variable limit
 
 Located = tuple[str, int]
@@ -120,7 +138,8 @@ def _key_from_hex(stem: str) -> OffloadKey | None:
     return OffloadKey(key) if len(key) > 4 and key.hex() == stem else None
 
 
-def _is_hex_id(stem: str) -> bool:
+def is_slab_id(stem: str) -> bool:
+    """True for a slab file's name stem: 32 lower-case hex digits."""
     return len(stem) == 32 and all(c in "0123456789abcdef" for c in stem)
 
 
@@ -162,7 +181,7 @@ class _SlabIo:
 
     def __init__(self, root: str, slot_size: int, max_slots: int, *, fsync: bool) -> None:
         self.root = root
-        self.slab_dir = os.path.join(root, "slabs")
+        self.slab_dir = os.path.join(root, SLAB_DIR)
         self.slot_size = slot_size
         self.max_slots = max_slots
         self.per_slab = max(1, min(max_slots, SLAB_BYTES // slot_size))
@@ -196,11 +215,10 @@ class _SlabIo:
                     os.unlink(os.path.join(self.root, INDEX + suffix))
             self._db = self._open_index()
             self._rebuilt = True
-        known = {"config.json", INDEX, INDEX + "-wal", INDEX + "-shm", "slabs"}
-        self._foreign = sum(1 for name in os.listdir(self.root) if name not in known)
+        self._foreign = sum(1 for name in os.listdir(self.root) if name not in KNOWN_ENTRIES)
         for name in sorted(os.listdir(self.slab_dir)):
             stem, _, ext = name.partition(".")
-            if not _is_hex_id(stem) or ext not in ("slab", "new"):
+            if not is_slab_id(stem) or ext not in ("slab", "new"):
                 self._foreign += 1
                 continue
             self._adopt(stem, os.path.join(self.slab_dir, name), ext == "new")
@@ -441,7 +459,7 @@ class _SlabIo:
             fd = self._foreign_fds.get(slab)
             if fd is None and slab in self._slabs:
                 return self._slabs[slab].fd
-            if fd is None and _is_hex_id(slab):
+            if fd is None and is_slab_id(slab):
                 try:
                     fd = os.open(os.path.join(self.slab_dir, slab + ".slab"), os.O_RDONLY)
                 except FileNotFoundError:
@@ -569,7 +587,7 @@ class _ObjectIo:
         foreign = 0
         for path, mtime in self._walk():
             name = path.rsplit("/", 1)[-1]
-            if name == "config.json":
+            if name == CONFIG:
                 continue
             key = _key_from_hex(name[: -len(SUFFIX)]) if name.endswith(SUFFIX) else None
             if key is None or path != self.path(key):
@@ -714,7 +732,7 @@ class FsspecTierStore:
             self._io: Any = self._make_io(fs, base)
             self._io.prepare()
             config = json.dumps({**ns, "layout_version": LAYOUT_VERSION}, sort_keys=True)
-            recorded = self._io.write_config("config.json", config.encode())
+            recorded = self._io.write_config(CONFIG, config.encode())
         except Exception as exc:
             raise TierUnavailable(
                 f"cannot use root {url!r}: {type(exc).__name__}: {_safe(exc)}", tier=name
