@@ -668,9 +668,18 @@ class _ObjectIo:
         return found
 
     def remove_many(self, keys: Sequence[OffloadKey], *, defer: bool = False) -> None:
-        for key in keys:
-            with contextlib.suppress(FileNotFoundError):
-                self.fs.rm_file(self.path(key))
+        """Delete the blocks of ``keys`` in one batch (one bulk request on S3)."""
+        self._remove_paths([self.path(key) for key in keys])
+
+    def _remove_paths(self, paths: list[str]) -> None:
+        if not paths:
+            return
+        try:
+            self.fs.rm(paths)
+        except FileNotFoundError:  # some were gone already: delete the rest one by one
+            for path in paths:
+                with contextlib.suppress(FileNotFoundError):
+                    self.fs.rm_file(path)
 
     def location(self, key: OffloadKey) -> Located:
         return self.path(key), 0

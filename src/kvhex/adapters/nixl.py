@@ -263,11 +263,9 @@ class _NixlObjIo(_ObjectIo):
         return {headers[h] for h in super()._exists_paths(list(headers))}
 
     def remove_many(self, keys: Sequence[OffloadKey], *, defer: bool = False) -> None:
-        for key in keys:
-            path = self.path(key)
-            for name in (path + ".hdr", path):
-                with contextlib.suppress(FileNotFoundError):
-                    self.fs.rm_file(name)
+        paths = [self.path(key) for key in keys]
+        self._remove_paths([p + ".hdr" for p in paths])  # headers first: gone at once
+        self._remove_paths(paths)
 
     def _walk(self) -> Iterable[tuple[str, float]]:
         for path, mtime in super()._walk():
