@@ -22,25 +22,14 @@ import sys
 import time
 from typing import Any, TextIO
 
+from kvhex.cli._args import positive
+
 __all__ = ["add_parser", "main"]
 
 EXIT_INCONSISTENT = 1
 EXIT_USAGE = 2
 SHORT_HASH = 16
 """Hex digits of a hash shown in text lines (``--json`` shows them whole)."""
-
-
-def _positive(kind: type[int] | type[float]) -> Any:
-    def parse(text: str) -> int | float:
-        try:
-            value = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
-        if value <= 0:
-            raise argparse.ArgumentTypeError(f"must be above 0, got {text}")
-        return value
-
-    return parse
 
 
 def _sequence(text: str) -> int:
@@ -84,14 +73,14 @@ def add_parser(
         default=0,
         help="first sequence to ask the replay socket for (default 0)",
     )
-    parser.add_argument("--count", metavar="N", type=_positive(int), help="stop after N events")
+    parser.add_argument("--count", metavar="N", type=positive(int), help="stop after N events")
     parser.add_argument(
-        "--duration", metavar="S", type=_positive(float), help="stop after S seconds"
+        "--duration", metavar="S", type=positive(float), help="stop after S seconds"
     )
     parser.add_argument(
         "--replay-timeout",
         metavar="S",
-        type=_positive(float),
+        type=positive(float),
         default=5.0,
         help="how long to wait for each replay message (default 5)",
     )

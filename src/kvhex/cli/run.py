@@ -18,6 +18,7 @@ from typing import Any
 
 import attrs
 
+from kvhex.cli._args import positive
 from kvhex.config.loader import load_config
 from kvhex.config.model import (
     KvhexConfig,
@@ -62,8 +63,10 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     p.add_argument("--tier-capacity", type=_size, metavar="BYTES", help="bytes per --tier")
     p.add_argument("--s3-endpoint", metavar="URL", help="endpoint of s3:// tiers")
     p.add_argument("--host-capacity", type=_size, metavar="BYTES", help="host tier bytes")
-    p.add_argument("--requests", type=_positive, metavar="N", help="requests to replay")
-    p.add_argument("--duration", type=float, metavar="SECONDS", help="stop after this long")
+    p.add_argument("--requests", type=positive(int), metavar="N", help="requests to replay")
+    p.add_argument(
+        "--duration", type=positive(float), metavar="SECONDS", help="stop after this long"
+    )
     p.add_argument(
         "--events",
         metavar="PATH|tcp://...",
@@ -85,16 +88,6 @@ def _size(text: str) -> int:
         value = int(float(number) * scale)
     except ValueError:
         raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 512MiB, 2GiB)") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be greater than 0: {text!r}")
-    return value
-
-
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
     if value <= 0:
         raise argparse.ArgumentTypeError(f"must be greater than 0: {text!r}")
     return value
