@@ -668,7 +668,8 @@ class _ObjectIo:
         return found
 
     def remove_many(self, keys: Sequence[OffloadKey], *, defer: bool = False) -> None:
-        """Delete the blocks of ``keys`` in one batch (one bulk request on S3)."""
+        """Delete the blocks of ``keys`` in one batch (one bulk request on S3). ``defer`` is
+        accepted for the slab IO's sake: an object is gone once deleted, nothing to publish."""
         self._remove_paths([self.path(key) for key in keys])
 
     def _remove_paths(self, paths: list[str]) -> None:
@@ -1075,10 +1076,7 @@ class FsspecTierStore:
         if not keys:
             return
         try:
-            if defer:
-                self._io.remove_many(keys, defer=True)
-            else:
-                self._io.remove_many(keys)
+            self._io.remove_many(keys, defer=defer)
         except Exception as exc:
             log.warning("tier_remove_failed", tier=self._identity.ownership, error=_safe(exc))
 

@@ -14,6 +14,7 @@ import shutil
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from typing import Any
 
 import attrs
@@ -148,7 +149,7 @@ def main(args: argparse.Namespace) -> int:
 
         with Stack(config, source=args.config) as stack:
             requests = stack.requests(args.workload)
-            progress = None if args.no_progress or not sys.stderr.isatty() else _progress
+            progress = None if args.no_progress or not sys.stderr.isatty() else _progress()
             report = stack.run(requests, duration_s=args.duration, progress=progress)
         if progress is not None:
             print(file=sys.stderr)
@@ -164,25 +165,28 @@ def main(args: argparse.Namespace) -> int:
         shutil.rmtree(scratch, ignore_errors=True)
 
 
-_last = [0.0]
+def _progress() -> Callable[[Any, int, int], None]:
+    """A progress line on stderr, redrawn at most five times a second."""
+    shown = 0.0
 
+    def show(replay: Any, done: int, total: int) -> None:
+        nonlocal shown
+        now = time.monotonic()
+        if now - shown < 0.2 and done != total:
+            return
+        shown = now
+        r = replay.report
+        rate = sum(r.hits.values()) / r.chunks if r.chunks else 0.0
+        moved = (r.device_store.nbytes + r.device_load.nbytes) / 1e9
+        print(
+            f"\rkvhex run: {done}/{total} requests  chunk hit rate {rate:5.1%}  "
+            f"device<->host {moved:6.2f} GB  events {sum(r.events.values()):,}  ",
+            end="",
+            file=sys.stderr,
+            flush=True,
+        )
 
-def _progress(replay: Any, done: int, total: int) -> None:
-    now = time.monotonic()
-    if now - _last[0] < 0.2 and done != total:
-        return
-    _last[0] = now
-    r = replay.report
-    rate = sum(r.hits.values()) / r.chunks if r.chunks else 0.0
-    moved = (r.device_store.nbytes + r.device_load.nbytes) / 1e9
-    events = sum(r.events.values())
-    print(
-        f"\rkvhex run: {done}/{total} requests  chunk hit rate {rate:5.1%}  "
-        f"device<->host {moved:6.2f} GB  events {events:,}  ",
-        end="",
-        file=sys.stderr,
-        flush=True,
-    )
+    return show
 
 
 def _table(s: dict[str, Any]) -> str:
