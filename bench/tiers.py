@@ -2,29 +2,36 @@
 
 For each chunk size (2 MiB and 256 KiB) and each tier, ``--total`` bytes (2 GiB by default)
 go host -> tier (put) and tier -> host (get) through the tier's own jobs, in batches of
-``--batch`` chunks per job, with a baseline measured in the same run:
+``--batch`` chunks per job on ``--io-threads`` IO threads, with a baseline measured in the
+same run:
 
 * local files (fsspec tier) and NIXL's POSIX backend (NIXL tier) vs raw ``os.pwrite`` /
-  ``os.preadv`` of the same bytes into one preallocated file;
-* S3 (fsspec tier over s3fs) vs raw s3fs batched ``pipe`` / ``cat`` of the same bytes, both
-  against the same loopback S3 server (moto; its speed, not S3's, bounds both).
+  ``os.preadv`` of the same bytes into one preallocated file, one call per chunk on one
+  thread;
+* S3 (fsspec tier over s3fs) vs raw s3fs batched ``pipe`` / ``cat`` of the same bytes in
+  batches of ``--batch``, as many batches in flight as the tier has IO threads, both against
+  the same loopback S3 server (moto, in a process of its own as S3 is; its speed, not S3's,
+  bounds both).
 
-    python bench/tiers.py [--total-mib 2048] [--tiers files,s3] [--dir PATH]
+    python bench/tiers.py [--total-mib 2048] [--tiers files,nixl,s3] [--dir PATH]
     python bench/tiers.py --quick --json   # tiny sizes; rows as JSON (see _report.py)
 
-A plain script, never a timed test. Page cache is warm after the first pass; each figure is
-the median of ``--repeats`` passes; raw and tier passes alternate, and the ratio is the median
-of the per-pass ratios, so both sides see the same machine.
+A plain script, never a timed test. One untimed round warms both sides up (page cache, the
+tier's slab files, the server's connections); then raw and tier passes alternate, each
+starting with no dirty page cache left by the other, each figure is the median of
+``--repeats`` passes, and the ratio is the median of the per-pass ratios, so both sides see
+the same machine.
 """
 
 from __future__ import annotations
 
 import argparse
 import hashlib
-import logging
 import os
 import shutil
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -110,7 +117,12 @@ def alternating(
     pairs: dict[str, tuple[Callable[[], None], Callable[[], None]]], nbytes: int, repeats: int
 ) -> dict[str, float]:
     """Median GB/s of raw and tier for each direction, and the median of the per-repeat
-    ratios: raw and tier alternate, so both see the same machine (page cache, other load)."""
+    ratios: raw and tier alternate, so both see the same machine (page cache, other load).
+    One untimed round first: the first pass of either side pays one-time costs (page cache
+    allocation, the tier's slab files, connections) that no later pass does."""
+    for raw, tier in pairs.values():
+        raw()
+        tier()
     rates: dict[str, list[float]] = {}
     for _ in range(repeats):
         for direction, (raw, tier) in pairs.items():
@@ -122,8 +134,9 @@ def alternating(
 
 
 def local_files(
-    directory: str, chunk: int, total: int, batch: int, repeats: int, *, nixl: bool = False
+    directory: str, chunk: int, args: argparse.Namespace, *, nixl: bool = False
 ) -> dict[str, float]:
+    total, batch, repeats, threads = args.total_mib * MiB, args.batch, args.repeats, args.io_threads
     n = total // chunk
     host = MemoryHostBuffer(min(n, 256), chunk)
     for s in range(host.num_slots):
@@ -146,11 +159,11 @@ def local_files(
         from kvhex.adapters.nixl import NixlTierStore
 
         store: FsspecTierStore = NixlTierStore(
-            host, root, capacity_bytes=total + total // 8, io_threads=4
+            host, root, capacity_bytes=total + total // 8, io_threads=threads
         )
     else:
         store = FsspecTierStore(
-            host, root, capacity_bytes=total + total // 8, name="files", io_threads=4
+            host, root, capacity_bytes=total + total // 8, name="files", io_threads=threads
         )
     run = TierRun(store, host, n, batch)
     try:
@@ -162,53 +175,82 @@ def local_files(
         shutil.rmtree(root)
 
 
-def s3(chunk: int, total: int, batch: int, repeats: int) -> dict[str, float]:
-    import s3fs
-    from moto.server import ThreadedMotoServer
+SERVER = (
+    "import sys\n"
+    "from moto.server import ThreadedMotoServer\n"
+    "server = ThreadedMotoServer(ip_address='127.0.0.1', port=0, verbose=False)\n"
+    "server.start()\n"
+    "print(server.get_host_and_port()[1], flush=True)\n"
+    "sys.stdin.read()  # until the bench ends\n"
+)
+"""A loopback S3 server in a process of its own: in the bench's process it would share one
+GIL with the client threads it serves, and the ratio would measure that instead."""
 
+
+def s3(chunk: int, args: argparse.Namespace) -> dict[str, float]:
+    import concurrent.futures as cf
+
+    import s3fs
+
+    total, batch, repeats, threads = (
+        args.s3_total_mib * MiB,
+        args.batch,
+        args.repeats,
+        args.io_threads,
+    )
     os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")
-    logging.getLogger("werkzeug").setLevel(logging.ERROR)  # one line per request otherwise
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host_name, port = server.get_host_and_port()
+    server = subprocess.Popen(
+        [sys.executable, "-c", SERVER],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
+    assert server.stdout is not None
+    port = int(server.stdout.readline())
     opts: dict[str, Any] = {
         "key": "k",
         "secret": "s",
-        "endpoint_url": f"http://{host_name}:{port}",
+        "endpoint_url": f"http://127.0.0.1:{port}",
         "use_listings_cache": False,
         "skip_instance_cache": True,
     }
     fs = s3fs.S3FileSystem(**opts)
-    bucket = f"bench-{os.getpid()}-{chunk}"  # moto's servers share one in-process store
+    bucket = f"bench-{chunk}"
     fs.mkdir(bucket)
     n = total // chunk
     host = MemoryHostBuffer(min(n, 256), chunk)
     for s in range(host.num_slots):
         host.slot_view(s)[:] = os.urandom(16) * (chunk // 16)
+    pool = cf.ThreadPoolExecutor(threads)  # as many batches in flight as the tier runs
+    starts = range(0, n, batch)
 
-    def raw_put() -> None:  # overwrites the same objects: moto keeps every byte in memory
-        for start in range(0, n, batch):
-            fs.pipe(
-                {
-                    f"{bucket}/raw/{i}": bytes(host.slot_view(i % host.num_slots))
-                    for i in range(start, min(start + batch, n))
-                }
-            )
+    def put_batch(start: int) -> None:  # overwrites the same objects: moto keeps every byte
+        fs.pipe(
+            {
+                f"{bucket}/raw/{i}": bytes(host.slot_view(i % host.num_slots))
+                for i in range(start, min(start + batch, n))
+            }
+        )
+
+    def get_batch(start: int) -> None:
+        paths = [f"{bucket}/raw/{i}" for i in range(start, min(start + batch, n))]
+        got = fs.cat(paths)
+        for i, path in enumerate(paths, start):
+            host.slot_view(i % host.num_slots)[:] = got[path]
+
+    def raw_put() -> None:
+        list(pool.map(put_batch, starts))
 
     def raw_get() -> None:
-        for start in range(0, n, batch):
-            paths = [f"{bucket}/raw/{i}" for i in range(start, min(start + batch, n))]
-            got = fs.cat(paths)
-            for i, path in enumerate(paths, start):
-                host.slot_view(i % host.num_slots)[:] = got[path]
+        list(pool.map(get_batch, starts))
 
-    raw_put()  # what raw_get reads
     store = FsspecTierStore(
         host,
         f"s3://{bucket}/kv",
-        capacity_bytes=4 * total,
+        capacity_bytes=2 * total,
         name="s3",
-        io_threads=4,
+        io_threads=threads,
         storage_options=opts,
     )
     run = TierRun(store, host, n, batch)
@@ -216,7 +258,8 @@ def s3(chunk: int, total: int, batch: int, repeats: int) -> dict[str, float]:
         return alternating({"put": (raw_put, run.put), "get": (raw_get, run.get)}, total, repeats)
     finally:
         store.close()
-        server.stop()
+        pool.shutdown()
+        server.communicate("")  # its stdin closes: it exits
 
 
 def main() -> None:
@@ -226,10 +269,16 @@ def main() -> None:
         "--s3-total-mib",
         type=int,
         default=512,
-        help="bytes through the S3 tier (moto keeps them all in memory)",
+        help="MiB through the S3 tier (moto keeps them all in memory)",
     )
     parser.add_argument("--tiers", default="files,nixl,s3")
-    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--batch", type=int, default=16, help="chunks per job (per raw S3 batch)")
+    parser.add_argument(
+        "--io-threads",
+        type=int,
+        default=4,
+        help="IO threads per tier (raw S3: batches in flight)",
+    )
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument(
         "--dir", default=None, help="where the file tier writes (default: a temp dir)"
@@ -244,21 +293,19 @@ def main() -> None:
         if "files" in tiers:
             directory = tempfile.mkdtemp(prefix="kvhex-bench-", dir=args.dir)
             try:
-                r = local_files(directory, chunk, args.total_mib * MiB, args.batch, args.repeats)
+                r = local_files(directory, chunk, args)
             finally:
                 shutil.rmtree(directory, ignore_errors=True)
             _emit(report, "files", label, r)
         if "nixl" in tiers:
             directory = tempfile.mkdtemp(prefix="kvhex-bench-", dir=args.dir)
             try:
-                r = local_files(
-                    directory, chunk, args.total_mib * MiB, args.batch, args.repeats, nixl=True
-                )
+                r = local_files(directory, chunk, args, nixl=True)
             finally:
                 shutil.rmtree(directory, ignore_errors=True)
             _emit(report, "nixl", label, r)
         if "s3" in tiers:
-            r = s3(chunk, args.s3_total_mib * MiB, args.batch, args.repeats)
+            r = s3(chunk, args)
             _emit(report, "s3", label, r)
     report.finish()
 

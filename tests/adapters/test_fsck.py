@@ -16,8 +16,9 @@ from pathlib import Path
 
 import pytest
 
+from kvhex.adapters.blocks import HEADER_AREA, namespace_digest
 from kvhex.adapters.fsck import Finding, FsckReport, NamespaceReport, check_root
-from kvhex.adapters.fsspec import HEADER_AREA, FsspecTierStore, namespace_digest
+from kvhex.adapters.fsspec import FsspecTierStore
 from kvhex.adapters.memory import MemoryHostBuffer
 from kvhex.domain import JobKind
 from tests.adapters.jobs import key, run

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from kvhex.adapters.fsspec import HEADER_AREA
+from kvhex.adapters.blocks import HEADER_AREA
 from kvhex.adapters.memory import MemoryHostBuffer
 from kvhex.adapters.nixl import NixlTierStore
 from kvhex.domain import JobKind, Removed, Stored

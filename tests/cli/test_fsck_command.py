@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from kvhex.adapters.fsspec import HEADER_AREA, FsspecTierStore
+from kvhex.adapters.blocks import HEADER_AREA
+from kvhex.adapters.fsspec import FsspecTierStore
 from kvhex.adapters.memory import MemoryHostBuffer
 from kvhex.domain import JobKind
 from tests.adapters.jobs import key, run
