@@ -222,7 +222,15 @@ def s3(chunk: int, args: argparse.Namespace) -> dict[str, float]:
     host = MemoryHostBuffer(min(n, 256), chunk)
     for s in range(host.num_slots):
         host.slot_view(s)[:] = os.urandom(16) * (chunk // 16)
-    pool = cf.ThreadPoolExecutor(threads)  # as many batches in flight as the tier runs
+    store = FsspecTierStore(
+        host,
+        f"s3://{bucket}/kv",
+        capacity_bytes=2 * total,
+        name="s3",
+        io_threads=threads,
+        storage_options=opts,
+    )
+    pool = cf.ThreadPoolExecutor(store.io_threads)  # as many batches in flight as the tier
     starts = range(0, n, batch)
 
     def put_batch(start: int) -> None:  # overwrites the same objects: moto keeps every byte
@@ -245,14 +253,6 @@ def s3(chunk: int, args: argparse.Namespace) -> dict[str, float]:
     def raw_get() -> None:
         list(pool.map(get_batch, starts))
 
-    store = FsspecTierStore(
-        host,
-        f"s3://{bucket}/kv",
-        capacity_bytes=2 * total,
-        name="s3",
-        io_threads=threads,
-        storage_options=opts,
-    )
     run = TierRun(store, host, n, batch)
     try:
         return alternating({"put": (raw_put, run.put), "get": (raw_get, run.get)}, total, repeats)
@@ -276,8 +276,8 @@ def main() -> None:
     parser.add_argument(
         "--io-threads",
         type=int,
-        default=4,
-        help="IO threads per tier (raw S3: batches in flight)",
+        default=None,
+        help="IO threads per tier (default: the tier's own; raw S3 has as many batches in flight)",
     )
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument(

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import json
+import os
 import time
 from collections import OrderedDict, deque
 from collections.abc import Mapping, Sequence
@@ -71,7 +72,9 @@ class FsspecTierStore:
         name: ownership name announced in events and used in errors.
         namespace: what makes blocks compatible (model, geometry, dtype, ...).
         medium, locality: announced in events.
-        io_threads: concurrent IO operations.
+        io_threads: concurrent IO jobs (IO threads); by default as many as this machine
+            has cores, up to 4, on local files (page-cache copies are CPU work: more
+            threads only contend), and 8 on object stores (requests wait on the network).
         fsync: flush each job's blocks to the device before publishing them (local files
             only; without it a power loss can lose recent blocks, never tear one).
         storage_options: passed to fsspec (credentials never reach logs or events).
@@ -91,7 +94,7 @@ class FsspecTierStore:
         namespace: Mapping[str, Any] | None = None,
         medium: Medium = Medium.STORAGE,
         locality: Locality | None = Locality.LOCAL,
-        io_threads: int = 8,
+        io_threads: int | None = None,
         fsync: bool = False,
         storage_options: Mapping[str, Any] | None = None,
     ) -> None:
@@ -104,13 +107,15 @@ class FsspecTierStore:
         self._identity = TierIdentity(medium, locality, name)
         self.capacity_bytes = capacity_bytes
         self._fsync = fsync
-        self._io_threads = io_threads
+        if io_threads is not None and io_threads < 1:
+            raise ValueError(f"io_threads must be >= 1, got {io_threads}")
         ns = dict(namespace or {})
         ns.setdefault("slot_bytes", host.slot_bytes)
         self.namespace = ns
         digest = namespace_digest(ns)
         try:
             fs, root = fsspec.core.url_to_fs(url, **dict(storage_options or {}))
+            self.io_threads = io_threads or self._default_io_threads("file" in _protocols(fs))
             base = root.rstrip("/") + "/" + digest
             self._io: Any = self._make_io(fs, base)
             self._io.prepare()
@@ -137,7 +142,7 @@ class FsspecTierStore:
         # what is in flight
         self._jobs: dict[cf.Future[Any], tuple[TierJob, float]] = {}
         self._finished: deque[cf.Future[Any]] = deque()
-        self._pool = cf.ThreadPoolExecutor(io_threads, thread_name_prefix=f"kvhex-{name}")
+        self._pool = cf.ThreadPoolExecutor(self.io_threads, thread_name_prefix=f"kvhex-{name}")
         self._closed = False
         self.corrupt_blocks = 0
         self.foreign_files = 0
@@ -147,8 +152,11 @@ class FsspecTierStore:
     def _make_io(self, fs: Any, base: str) -> Any:
         """The IO strategy for this filesystem (subclasses move the data path elsewhere)."""
         if "file" in _protocols(fs):
-            return SlabIo(base, *self._slab_geometry(), fsync=self._fsync, stripes=self._io_threads)
+            return SlabIo(base, *self._slab_geometry(), fsync=self._fsync, stripes=self.io_threads)
         return ObjectIo(fs, base)
+
+    def _default_io_threads(self, local: bool) -> int:
+        return min(4, os.cpu_count() or 1) if local else 8
 
     def _slab_geometry(self) -> tuple[int, int]:
         """Bytes per slab slot (one block) and how many slots the capacity allows."""

@@ -341,7 +341,7 @@ class NixlTierStore(FsspecTierStore):
         namespace: Mapping[str, Any] | None = None,
         medium: Medium = Medium.STORAGE,
         locality: Locality | None = Locality.LOCAL,
-        io_threads: int = 4,
+        io_threads: int | None = None,
         endpoint_url: str | None = None,
         access_key: str | None = None,
         secret_key: str | None = None,
@@ -384,4 +384,4 @@ class NixlTierStore(FsspecTierStore):
             obj = _Agents(lambda: _Agent(self._name, "OBJ", self._obj_params, self._host))
             return _NixlObjIo(fs, base, obj, self._obj_params["bucket"])
         posix = _Agents(lambda: _Agent(self._name, "POSIX", {}, self._host))
-        return _NixlPosixIo(base, *self._slab_geometry(), posix, self._io_threads)
+        return _NixlPosixIo(base, *self._slab_geometry(), posix, self.io_threads)

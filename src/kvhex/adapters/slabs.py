@@ -107,6 +107,17 @@ class _Slab:
         self.free = [s for s in range(slots - 1, -1, -1) if s not in taken]
 
 
+class _Batch:
+    """Index rows of the jobs that share one transaction, and how it ended."""
+
+    __slots__ = ("done", "error", "inserts")
+
+    def __init__(self) -> None:
+        self.inserts: list[tuple[Any, ...]] = []
+        self.done = False
+        self.error: str | None = None
+
+
 class SlabIo:
     """Slab files and their shared index under one namespace directory ``root``. See the
     module docstring for ownership, crash safety and sharing.
@@ -135,6 +146,7 @@ class SlabIo:
         self._adopted: list[tuple[OffloadKey, float]] = []
         self._foreign = 0
         self._unpublished: list[tuple[OffloadKey, str]] = []  # rows of freed slots
+        self._batch = _Batch()  # rows waiting for the next transaction
         self._rebuilt = False  # the index was unreadable: adopted slabs are scanned
 
     # -- start-up ------------------------------------------------------------------------
@@ -321,25 +333,48 @@ class SlabIo:
             return self._db.execute(sql, args).fetchall()
 
     def _commit(self, inserts: list[tuple[Any, ...]]) -> None:
-        """One transaction: the removals queued so far, then ``inserts``."""
+        """Publish ``inserts`` and the removals queued so far in one transaction, shared
+        with whatever other threads queue meanwhile (group commit: while one transaction
+        runs, the next collects every job that arrives, and the first of them to get the
+        connection commits them all).
+
+        Raises:
+            sqlite3.Error, OSError: the transaction failed; none of its rows are published
+                (the removals are queued again for the next one).
+        """
         assert self._db is not None
         with self._lock:
-            deletes, self._unpublished = self._unpublished, []
-        try:
-            with self._db_lock:
-                db = self._db
-                db.execute("BEGIN IMMEDIATE")
+            batch = self._batch
+            batch.inserts.extend(inserts)
+        with self._db_lock:
+            if not batch.done:
+                with self._lock:
+                    if self._batch is batch:
+                        self._batch = _Batch()
+                    deletes, self._unpublished = self._unpublished, []
                 try:
-                    db.executemany("DELETE FROM blocks WHERE key = ? AND slab = ?", deletes)
-                    db.executemany("INSERT OR REPLACE INTO blocks VALUES (?, ?, ?, ?)", inserts)
-                except BaseException:
-                    db.execute("ROLLBACK")
+                    self._transaction(deletes, batch.inserts)
+                except BaseException as exc:
+                    with self._lock:  # retried with the next transaction
+                        self._unpublished[:0] = deletes
+                    batch.error = f"{type(exc).__name__}: {exc}"
+                    batch.done = True
                     raise
-                db.execute("COMMIT")
+                batch.done = True
+        if batch.error is not None:  # another thread's commit of this batch failed
+            raise sqlite3.OperationalError(batch.error)
+
+    def _transaction(self, deletes: list[tuple[Any, ...]], inserts: list[tuple[Any, ...]]) -> None:
+        db = self._db
+        assert db is not None
+        db.execute("BEGIN IMMEDIATE")
+        try:
+            db.executemany("DELETE FROM blocks WHERE key = ? AND slab = ?", deletes)
+            db.executemany("INSERT OR REPLACE INTO blocks VALUES (?, ?, ?, ?)", inserts)
         except BaseException:
-            with self._lock:  # retried with the next transaction
-                self._unpublished[:0] = deletes
+            db.execute("ROLLBACK")
             raise
+        db.execute("COMMIT")
 
     def _lookup(self, keys: list[OffloadKey]) -> dict[OffloadKey, tuple[str, int]]:
         """Where other instances hold ``keys``, from the shared index."""
