@@ -363,3 +363,16 @@ def test_a_full_disk_fails_the_put_and_announces_nothing(
         store.location(key(3))
     assert run(store, JobKind.PUT, [3]).success  # the slot was given back
     store.close()
+
+
+def test_io_threads_default_to_the_cores_on_local_files_and_are_checked(
+    tmp_path: Path, host: MemoryHostBuffer
+) -> None:
+    store = FsspecTierStore(host, str(tmp_path), capacity_bytes=1 << 20, namespace=NS)
+    assert store.io_threads == min(4, os.cpu_count() or 1)
+    store.close()
+    chosen = FsspecTierStore(host, str(tmp_path), capacity_bytes=1 << 20, io_threads=3)
+    assert chosen.io_threads == 3
+    chosen.close()
+    with pytest.raises(ValueError, match="io_threads must be >= 1, got 0"):
+        FsspecTierStore(host, str(tmp_path), capacity_bytes=1 << 20, io_threads=0)

@@ -71,6 +71,13 @@ def test_a_missing_bucket_fails_at_start_up_without_creating_it(s3_server: str) 
     assert CREDENTIALS["secret"] not in str(info.value)
 
 
+def test_object_stores_default_to_eight_io_threads(s3_server: str, bucket: str) -> None:
+    """Requests wait on the network, not the CPU: more of them are in flight than cores."""
+    store = tier(MemoryHostBuffer(2, SLOT), s3_server, bucket)
+    assert store.io_threads == 8
+    store.close()
+
+
 def test_corrupt_objects_are_deleted_and_their_removal_announced(
     s3_server: str, bucket: str
 ) -> None:

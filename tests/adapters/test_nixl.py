@@ -3,6 +3,7 @@ the loopback S3 server, each through the TierStore contract, plus integrity and 
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
@@ -10,7 +11,7 @@ import pytest
 from kvhex.adapters.blocks import HEADER_AREA
 from kvhex.adapters.memory import MemoryHostBuffer
 from kvhex.adapters.nixl import NixlTierStore
-from kvhex.domain import JobKind, Removed, Stored
+from kvhex.domain import JobId, JobKind, Removed, Stored, TierJob
 from kvhex.ports.host_buffer import HostBuffer
 from kvhex.ports.tier_store import TierStore
 from kvhex.testing import TierStoreContract
@@ -76,3 +77,48 @@ def test_posix_blocks_are_verified_and_survive_a_restart(tmp_path: Path) -> None
     assert isinstance(removed, Removed)
     assert removed.keys == (key(2),)
     again.close()
+
+
+def _all(store: NixlTierStore, kind: JobKind, jobs: list[list[tuple[int, int]]]) -> list[bool]:
+    """Submit every job (chunk ids with their slots) at once, then wait for all results."""
+    submitted = []
+    for n, pairs in enumerate(jobs):
+        job = TierJob(
+            JobId(9000 + n), kind, tuple(key(i) for i, _ in pairs), tuple(s for _, s in pairs)
+        )
+        (store.submit_put if kind is JobKind.PUT else store.submit_get)(job)
+        submitted.append(job.job_id)
+    results: dict[int, bool] = {}
+    deadline = time.monotonic() + 30
+    while len(results) < len(jobs) and time.monotonic() < deadline:
+        results.update((r.job_id, r.success) for r in store.poll())
+        time.sleep(0.002)
+    return [results.get(j, False) for j in submitted]
+
+
+def test_posix_jobs_on_every_io_thread_at_once_move_exact_bytes(tmp_path: Path) -> None:
+    """Each IO thread has its own NIXL agent: jobs in flight together, then a second
+    instance reading the first one's slabs, all byte for byte."""
+    host = MemoryHostBuffer(32, SLOT)
+    for s in range(32):
+        host.slot_view(s)[:] = bytes([s + 1]) * SLOT
+    store = NixlTierStore(host, str(tmp_path), capacity_bytes=1 << 22, namespace=NS, io_threads=4)
+    puts = [[(i, i) for i in range(j, j + 4)] for j in range(0, 32, 4)]
+    assert _all(store, JobKind.PUT, puts) == [True] * 8
+    for s in range(32):
+        host.slot_view(s)[:] = bytes(SLOT)
+    gets = [[(i, 31 - i) for i in range(j, j + 4)] for j in range(0, 32, 4)]
+    assert _all(store, JobKind.GET, gets) == [True] * 8
+    assert [bytes(host.slot_view(31 - i)) for i in range(32)] == [
+        bytes([i + 1]) * SLOT for i in range(32)
+    ]
+    peer = NixlTierStore(host, str(tmp_path), capacity_bytes=1 << 22, namespace=NS, io_threads=2)
+    for s in range(32):
+        host.slot_view(s)[:] = bytes(SLOT)
+    halves = [[(i, i) for i in range(16)], [(i, i) for i in range(16, 32)]]
+    assert _all(peer, JobKind.GET, halves) == [True, True]
+    assert [bytes(host.slot_view(i)) for i in range(32)] == [
+        bytes([i + 1]) * SLOT for i in range(32)
+    ]
+    peer.close()
+    store.close()

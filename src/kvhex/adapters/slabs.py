@@ -115,7 +115,7 @@ class _Batch:
     def __init__(self) -> None:
         self.inserts: list[tuple[Any, ...]] = []
         self.done = False
-        self.error: str | None = None
+        self.error: BaseException | None = None
 
 
 class SlabIo:
@@ -357,12 +357,16 @@ class SlabIo:
                 except BaseException as exc:
                     with self._lock:  # retried with the next transaction
                         self._unpublished[:0] = deletes
-                    batch.error = f"{type(exc).__name__}: {exc}"
+                    batch.error = exc
                     batch.done = True
                     raise
                 batch.done = True
-        if batch.error is not None:  # another thread's commit of this batch failed
-            raise sqlite3.OperationalError(batch.error)
+                return
+        error = batch.error  # another thread committed this batch: raise its failure anew
+        if isinstance(error, OSError):
+            raise OSError(error.errno, error.strerror)
+        if error is not None:
+            raise sqlite3.OperationalError(str(error))
 
     def _transaction(self, deletes: list[tuple[Any, ...]], inserts: list[tuple[Any, ...]]) -> None:
         db = self._db

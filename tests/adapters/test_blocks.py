@@ -1,0 +1,59 @@
+"""The block format every storage tier writes: checksums stay XXH3-64 whichever way they
+are computed (blocks written before verify after), headers verify all they claim, and a
+write cut short is finished."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import xxhash
+
+from kvhex.adapters.blocks import (
+    HEADER_AREA,
+    checksum,
+    header_matches,
+    pack_header,
+    write_fully,
+)
+from tests.adapters.jobs import key
+
+
+@pytest.mark.parametrize("size", [0, 4096, (1 << 16) - 1, 1 << 16, 256 << 10, 2 << 20])
+def test_checksum_is_xxh3_64_at_every_size(size: int) -> None:
+    payload = memoryview(os.urandom(size))
+    assert checksum(payload) == xxhash.xxh3_64_intdigest(payload)
+
+
+def test_a_header_verifies_its_key_length_and_payload() -> None:
+    payload = memoryview(bytearray(os.urandom(256 << 10)))
+    header = pack_header(key(1), payload)
+    assert len(header) == HEADER_AREA
+    assert header_matches(header, key(1), payload)
+    assert not header_matches(header, key(2), payload)
+    assert not header_matches(header, key(1), payload[:-1])
+    assert not header_matches(header[:-1], key(1), payload)
+    payload[12345] ^= 1
+    assert not header_matches(header, key(1), payload)
+
+
+def test_a_short_vectored_write_is_finished(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``pwritev`` may write less than asked (a signal, a nearly full disk): the rest of the
+    buffers still land, in order, at the right offsets."""
+    parts = [os.urandom(4096), os.urandom(10_000), os.urandom(3)]
+    real = os.pwritev
+
+    def short(fd: int, buffers: list[bytes], offset: int) -> int:
+        return real(fd, [bytes(buffers[0])[:1000]], offset)  # 1000 bytes, then stops
+
+    monkeypatch.setattr(os, "pwritev", short)
+    path = tmp_path / "f"
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        write_fully(fd, parts, 100)
+    finally:
+        os.close(fd)
+    assert path.read_bytes() == bytes(100) + b"".join(parts)
