@@ -111,11 +111,12 @@ class _Agent:
         handle, state = posted
         agent = self.agent
         try:
-            spins = 0
+            waits = 0
             while state in ("PROC", "INIT"):
-                # a short job finishes within microseconds of its last byte: yield, then nap
-                time.sleep(0 if spins < 64 else 0.0001)
-                spins += 1
+                # naps from 10 us doubling up to 0.2 ms: a short job is seen done soon after
+                # its last byte, a long one costs few checks, and no core is spun
+                time.sleep(min(0.0002, 0.00001 * 2**waits))
+                waits += 1
                 state = agent.check_xfer_state(handle)
             return bool(state == "DONE")
         finally:
