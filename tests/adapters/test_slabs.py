@@ -210,3 +210,23 @@ def test_a_failed_group_commit_fails_every_job_in_it_and_frees_their_slots(
     assert read_back(io, range(3)) == [bytes([1]) * SLOT, None, None]
     assert io.write_many(items(host, range(5, 7))) == [None, None]  # their slots are free
     io.close()
+
+
+def test_a_write_path_that_raises_gives_its_slots_back(
+    tmp_path: Path, host: MemoryHostBuffer
+) -> None:
+    class Broken(SlabIo):
+        broken = True
+
+        def _write_blocks(self, blocks: list[tuple[int, int, OffloadKey, memoryview]]) -> Any:
+            if self.broken:
+                raise RuntimeError("backend gone")
+            return super()._write_blocks(blocks)
+
+    io = open_io(tmp_path, slots=4, cls=Broken)
+    with pytest.raises(RuntimeError, match="backend gone"):
+        io.write_many(items(host, range(4)))
+    io.broken = False
+    assert io.write_many(items(host, range(4, 8))) == [None] * 4  # all four slots free again
+    assert read_back(io, range(8)) == [None] * 4 + [bytes([i + 1]) * SLOT for i in range(4, 8)]
+    io.close()

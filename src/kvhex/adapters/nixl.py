@@ -217,7 +217,11 @@ class _NixlPosixIo(SlabIo):
                 nixl.staging[i * HEADER_AREA : (i + 1) * HEADER_AREA] = pack_header(key, payload)
                 local += ((nixl.header(i), HEADER_AREA, 0), (_address(payload), len(payload), 0))
                 remote += ((offset, HEADER_AREA, fd), (offset + HEADER_AREA, len(payload), fd))
-            ok = nixl.transfer("WRITE", local, "FILE", remote)
+            try:
+                ok = nixl.transfer("WRITE", local, "FILE", remote)
+            except Exception as exc:  # NIXL refused the transfer (its errors, one place)
+                errors.extend(f"NIXL POSIX write failed: {exc}" for _ in batch)
+                continue
             errors.extend(None if ok else "NIXL POSIX write failed" for _ in batch)
         return errors
 

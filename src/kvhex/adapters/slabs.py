@@ -404,12 +404,17 @@ class SlabIo:
         errors: list[str | None] = [None] * len(items)
         errors[len(slots) :] = [short] * (len(items) - len(slots))
         size = self.slot_size
-        written = self._write_blocks(
-            [
-                (slab.fd, slot * size, key, view)
-                for (key, view), (slab, slot) in zip(items, slots, strict=False)
-            ]
-        )
+        try:
+            written = self._write_blocks(
+                [
+                    (slab.fd, slot * size, key, view)
+                    for (key, view), (slab, slot) in zip(items, slots, strict=False)
+                ]
+            )
+        except BaseException:  # a bug or a backend failure outside per-block handling
+            self._free(slots + spare)
+            self._written(slots)
+            raise
         done: list[tuple[OffloadKey, _Slab, int]] = []
         unused = list(spare)
         for i, ((key, _), place, error) in enumerate(zip(items, slots, written, strict=False)):
