@@ -183,8 +183,9 @@ SERVER = (
     "print(server.get_host_and_port()[1], flush=True)\n"
     "sys.stdin.read()  # until the bench ends\n"
 )
-"""A loopback S3 server in a process of its own: in the bench's process it would share one
-GIL with the client threads it serves, and the ratio would measure that instead."""
+"""A loopback S3 server in a process of its own, as S3 is: in the bench's process it would
+share one GIL with the client threads it serves, and each side's Python work would slow the
+other's."""
 
 
 def s3(chunk: int, args: argparse.Namespace) -> dict[str, float]:
