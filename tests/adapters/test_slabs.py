@@ -1,6 +1,6 @@
 """The slab files of local tiers, below the tier store: how jobs are laid out over slab files
-(striping, eviction room, runs of adjacent slots), and the group commit of their index rows.
-Real files and a real SQLite index throughout."""
+(striping, eviction room, runs of adjacent slots) and what a failure gives back. Real files
+and a real SQLite index throughout."""
 
 from __future__ import annotations
 
@@ -8,7 +8,6 @@ import concurrent.futures as cf
 import os
 import sqlite3
 import threading
-import time
 from pathlib import Path
 from typing import Any
 
@@ -154,61 +153,27 @@ def test_a_slab_cut_inside_a_run_fails_only_the_blocks_past_the_cut(
     io.close()
 
 
-class _HeldCommits(SlabIo):
-    """Holds its first index transaction until two more jobs queued their rows, so those two
-    share the next one; records the rows of each transaction, and fails the second when
-    ``fail`` is set."""
-
-    fail = False
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.transactions: list[int] = []
-        self.holding = threading.Event()
-
-    def _transaction(self, deletes: list[tuple[Any, ...]], inserts: list[tuple[Any, ...]]) -> None:
-        if not self.transactions:
-            self.holding.set()
-            deadline = time.monotonic() + 10
-            while len(self._batch.inserts) < 2 and time.monotonic() < deadline:
-                time.sleep(0.001)
-        self.transactions.append(len(inserts))
-        if self.fail and len(self.transactions) == 2:
-            raise sqlite3.OperationalError("disk I/O error")
-        super()._transaction(deletes, inserts)
-
-
-def _three_concurrent_jobs(io: _HeldCommits, host: MemoryHostBuffer) -> list[list[str | None]]:
-    with cf.ThreadPoolExecutor(3) as pool:
-        first = pool.submit(io.write_many, items(host, range(1)))
-        assert io.holding.wait(10)  # the first job's transaction holds the connection
-        rest = [pool.submit(io.write_many, items(host, range(i, i + 1))) for i in (1, 2)]
-        return [first.result(), *(f.result() for f in rest)]
-
-
-def test_jobs_that_arrive_during_a_commit_share_the_next_one(
+def test_a_failed_index_commit_fails_the_job_and_frees_its_slots(
     tmp_path: Path, host: MemoryHostBuffer
 ) -> None:
-    io = open_io(tmp_path, cls=_HeldCommits)
-    assert _three_concurrent_jobs(io, host) == [[None], [None], [None]]
-    assert io.transactions == [1, 2]
-    other = open_io(tmp_path)  # a second instance finds all three through the index
-    assert other.exists_many([key(0), key(1), key(2)]) == {key(0), key(1), key(2)}
+    class Failing(SlabIo):
+        fail = True
+
+        def _transaction(
+            self, deletes: list[tuple[Any, ...]], inserts: list[tuple[Any, ...]]
+        ) -> None:
+            if self.fail:
+                raise sqlite3.OperationalError("disk I/O error")
+            super()._transaction(deletes, inserts)
+
+    io = open_io(tmp_path, slots=2, cls=Failing)
+    assert io.write_many(items(host, range(2))) == ["index: disk I/O error"] * 2
+    assert read_back(io, range(2)) == [None, None]
+    other = open_io(tmp_path)  # nothing was published for another instance either
+    assert other.exists_many([key(0), key(1)]) == set()
     other.close()
-    io.close()
-
-
-def test_a_failed_group_commit_fails_every_job_in_it_and_frees_their_slots(
-    tmp_path: Path, host: MemoryHostBuffer
-) -> None:
-    io = open_io(tmp_path, slots=3, cls=_HeldCommits)
-    io.fail = True
-    results = _three_concurrent_jobs(io, host)
-    assert results[0] == [None]
-    assert results[1] == results[2] == ["index: disk I/O error"]
-    assert io.exists_many([key(1), key(2)]) == set()
-    assert read_back(io, range(3)) == [bytes([1]) * SLOT, None, None]
-    assert io.write_many(items(host, range(5, 7))) == [None, None]  # their slots are free
+    io.fail = False
+    assert io.write_many(items(host, range(2, 4))) == [None, None]  # both slots free again
     io.close()
 
 

@@ -107,17 +107,6 @@ class _Slab:
         self.free = [s for s in range(slots - 1, -1, -1) if s not in taken]
 
 
-class _Batch:
-    """Index rows of the jobs that share one transaction, and how it ended."""
-
-    __slots__ = ("done", "error", "inserts")
-
-    def __init__(self) -> None:
-        self.inserts: list[tuple[Any, ...]] = []
-        self.done = False
-        self.error: BaseException | None = None
-
-
 class SlabIo:
     """Slab files and their shared index under one namespace directory ``root``. See the
     module docstring for ownership, crash safety and sharing.
@@ -146,7 +135,6 @@ class SlabIo:
         self._adopted: list[tuple[OffloadKey, float]] = []
         self._foreign = 0
         self._unpublished: list[tuple[OffloadKey, str]] = []  # rows of freed slots
-        self._batch = _Batch()  # rows waiting for the next transaction
         self._rebuilt = False  # the index was unreadable: adopted slabs are scanned
 
     # -- start-up ------------------------------------------------------------------------
@@ -333,40 +321,21 @@ class SlabIo:
             return self._db.execute(sql, args).fetchall()
 
     def _commit(self, inserts: list[tuple[Any, ...]]) -> None:
-        """Publish ``inserts`` and the removals queued so far in one transaction, shared
-        with whatever other threads queue meanwhile (group commit: while one transaction
-        runs, the next collects every job that arrives, and the first of them to get the
-        connection commits them all).
+        """Publish ``inserts`` and the removals queued so far in one transaction.
 
         Raises:
             sqlite3.Error, OSError: the transaction failed; none of its rows are published
                 (the removals are queued again for the next one).
         """
-        assert self._db is not None
         with self._lock:
-            batch = self._batch
-            batch.inserts.extend(inserts)
-        with self._db_lock:
-            if not batch.done:
-                with self._lock:
-                    if self._batch is batch:
-                        self._batch = _Batch()
-                    deletes, self._unpublished = self._unpublished, []
-                try:
-                    self._transaction(deletes, batch.inserts)
-                except BaseException as exc:
-                    with self._lock:  # retried with the next transaction
-                        self._unpublished[:0] = deletes
-                    batch.error = exc
-                    batch.done = True
-                    raise
-                batch.done = True
-                return
-        error = batch.error  # another thread committed this batch: raise its failure anew
-        if isinstance(error, OSError):
-            raise OSError(error.errno, error.strerror)
-        if error is not None:
-            raise sqlite3.OperationalError(str(error))
+            deletes, self._unpublished = self._unpublished, []
+        try:
+            with self._db_lock:
+                self._transaction(deletes, inserts)
+        except BaseException:
+            with self._lock:  # retried with the next transaction
+                self._unpublished[:0] = deletes
+            raise
 
     def _transaction(self, deletes: list[tuple[Any, ...]], inserts: list[tuple[Any, ...]]) -> None:
         db = self._db
