@@ -31,6 +31,11 @@ def host() -> MemoryHostBuffer:
     return host
 
 
+def payload(i: int) -> bytes:
+    """What chunk ``i`` holds (host slot ``i % 32``'s bytes)."""
+    return bytes([i % 32 + 1]) * SLOT
+
+
 def items(host: MemoryHostBuffer, ids: range) -> list[tuple[OffloadKey, memoryview]]:
     """Chunk ``i`` holds host slot ``i % 32``'s bytes."""
     return [(key(i), host.slot_view(i % host.num_slots)) for i in ids]
@@ -95,7 +100,7 @@ def test_concurrent_jobs_write_different_slab_files(tmp_path: Path, host: Memory
     first, second = files
     assert len(first) == len(second) == 1
     assert first.isdisjoint(second)
-    assert read_back(io, range(16)) == [bytes([i % 32 + 1]) * SLOT for i in range(16)]
+    assert read_back(io, range(16)) == [payload(i) for i in range(16)]
     io.close()
 
 
@@ -120,9 +125,7 @@ def test_a_put_writes_into_the_room_its_evictions_freed(
     assert io.write_many(items(host, range(12, 13))) == [None]  # the unmarked slot is free
     assert io.location(key(12)) == evicted[2]
     live = {0, 1, 5, 6, 7, 10, 11, 12}
-    assert read_back(io, range(13)) == [
-        bytes([i + 1]) * SLOT if i in live else None for i in range(13)
-    ]
+    assert read_back(io, range(13)) == [payload(i) if i in live else None for i in range(13)]
     io.close()
 
 
@@ -138,7 +141,7 @@ def test_blocks_in_and_out_of_runs_of_adjacent_slots_read_back_exactly(
     ids = range(30)
     got = read_back(io, ids)
     live = {0, 2, 3, 6, 7, 8, 10, 11, *range(20, 30)}
-    assert got == [bytes([i % 32 + 1]) * SLOT if i in live else None for i in ids]
+    assert got == [payload(i) if i in live else None for i in ids]
     io.close()
 
 
@@ -149,7 +152,7 @@ def test_a_slab_cut_inside_a_run_fails_only_the_blocks_past_the_cut(
     assert io.write_many(items(host, range(6))) == [None] * 6
     path, offset = io.location(key(3))
     os.truncate(path, offset + HEADER_AREA + SLOT // 2)  # block 3 torn, 4 and 5 gone
-    assert read_back(io, range(6)) == [bytes([i + 1]) * SLOT for i in range(3)] + [b""] * 3
+    assert read_back(io, range(6)) == [payload(i) for i in range(3)] + [b""] * 3
     io.close()
 
 
@@ -193,5 +196,5 @@ def test_a_write_path_that_raises_gives_its_slots_back(
         io.write_many(items(host, range(4)))
     io.broken = False
     assert io.write_many(items(host, range(4, 8))) == [None] * 4  # all four slots free again
-    assert read_back(io, range(8)) == [None] * 4 + [bytes([i + 1]) * SLOT for i in range(4, 8)]
+    assert read_back(io, range(8)) == [None] * 4 + [payload(i) for i in range(4, 8)]
     io.close()

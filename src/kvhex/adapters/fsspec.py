@@ -115,7 +115,7 @@ class FsspecTierStore:
         digest = namespace_digest(ns)
         try:
             fs, root = fsspec.core.url_to_fs(url, **dict(storage_options or {}))
-            self.io_threads = io_threads or self._default_io_threads("file" in _protocols(fs))
+            self.io_threads = io_threads or _default_io_threads("file" in _protocols(fs))
             base = root.rstrip("/") + "/" + digest
             self._io: Any = self._make_io(fs, base)
             self._io.prepare()
@@ -154,9 +154,6 @@ class FsspecTierStore:
         if "file" in _protocols(fs):
             return SlabIo(base, *self._slab_geometry(), fsync=self._fsync, stripes=self.io_threads)
         return ObjectIo(fs, base)
-
-    def _default_io_threads(self, local: bool) -> int:
-        return min(4, os.cpu_count() or 1) if local else 8
 
     def _slab_geometry(self) -> tuple[int, int]:
         """Bytes per slab slot (one block) and how many slots the capacity allows."""
@@ -470,6 +467,12 @@ class FsspecTierStore:
         except Exception as exc:
             log.warning("tier_remove_failed", tier=self._identity.ownership, error=safe_error(exc))
             return ()
+
+
+def _default_io_threads(local: bool) -> int:
+    """Local files: the cores, up to 4 (page-cache copies are CPU work); object stores: 8
+    (requests wait on the network)."""
+    return min(4, os.cpu_count() or 1) if local else 8
 
 
 def _protocols(fs: Any) -> tuple[str, ...]:

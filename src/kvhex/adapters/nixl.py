@@ -243,6 +243,7 @@ class _NixlPosixIo(SlabIo):
                 continue
             nixl.register_file(fd)
             todo.append((i, fd, offset, view))
+        staged = memoryview(nixl.staging)
         for batch in _chunks(todo, lambda t: HEADER_AREA + len(t[3])):
             local: list[tuple[int, int, int]] = []
             remote: list[tuple[int, int, int]] = []
@@ -251,7 +252,8 @@ class _NixlPosixIo(SlabIo):
                 remote += ((offset, HEADER_AREA, fd), (offset + HEADER_AREA, len(view), fd))
             ok = nixl.transfer("READ", local, "FILE", remote)
             for j, (i, _, _, _) in enumerate(batch):
-                out[i] = bytes(nixl.staging[j * HEADER_AREA : (j + 1) * HEADER_AREA]) if ok else b""
+                header = staged[j * HEADER_AREA : (j + 1) * HEADER_AREA]
+                out[i] = bytes(header) if ok else b""  # one copy out of the staging area
         return out
 
     def close(self) -> None:

@@ -481,11 +481,13 @@ class SlabIo:
         for each run of adjacent slots); ``None`` if it is not in the index, ``b""`` for a
         short read."""
         out: list[bytes | None] = [None] * len(blocks)
-        for run in _runs([place for place, _ in blocks], self.slot_size):
+        places = [place for place, _ in blocks]
+        for run in _runs(places, self.slot_size):
             headers = [bytearray(HEADER_AREA) for _ in run]
             parts = [part for i, h in zip(run, headers, strict=True) for part in (h, blocks[i][1])]
-            fd, offset = blocks[run[0]][0] or (0, 0)
-            got = os.preadv(fd, parts, offset)
+            first = places[run[0]]
+            assert first is not None  # runs hold located blocks only
+            got = os.preadv(first[0], parts, first[1])
             for i, header in zip(run, headers, strict=True):
                 size = HEADER_AREA + len(blocks[i][1])
                 out[i] = bytes(header) if got >= size else b""
