@@ -3,12 +3,14 @@
 from kvhex.service.engine import OffloadEngine
 from kvhex.service.events import EventPipeline
 from kvhex.service.probes import ProbeCache
-from kvhex.service.tiering import TieringManager, TieringStats, TierStats
+from kvhex.service.tier_driver import TierDriver, TierStats
+from kvhex.service.tiering import TieringManager, TieringStats
 
 __all__ = [
     "EventPipeline",
     "OffloadEngine",
     "ProbeCache",
+    "TierDriver",
     "TierStats",
     "TieringManager",
     "TieringStats",

@@ -1,11 +1,12 @@
 """Asynchronous existence probes for one secondary tier, shared across requests.
 
 A lookup of a key the tier has not answered for yet returns ``RETRY`` and queues the key in
-this step's batch; at step end the manager sends the batch as one probe job; once the result
-is polled, lookups answer ``HIT`` or ``MISS``. A key is probed at most once while its answer is
-pending, whoever asks. Answers live while some unfinished request asked for the key, and an
-in-flight probe is kept so a new request can still share it. A key whose load failed is
-marked missing so the manager never re-promotes it in a loop (vLLM #49176).
+this step's batch; at step end the tier's ``TierDriver`` sends the batch as one probe job;
+once the result is polled, lookups answer ``HIT`` or ``MISS``. A key is probed at most once
+while its answer is pending, whoever asks. Answers live while some unfinished request asked for
+the key, and an in-flight probe is kept so a new request can still share it. A key whose load
+failed answers ``MISS`` (and the driver marks it missing, so it is never re-promoted in a loop,
+vLLM #49176).
 """
 
 from __future__ import annotations

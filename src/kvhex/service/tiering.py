@@ -5,7 +5,8 @@ secondary tier, the host slots pinned once per tier until that tier's job is pol
 (promotion): a secondary-tier hit reserves a host slot at lookup time (evicting if needed) and
 answers ``HIT_PENDING``; at step end one batched get per (tier, request) fills the slots; the
 keys become ``HIT`` once the job is polled. Tiers that cannot answer at once are probed
-asynchronously (``RETRY`` first).
+asynchronously (``RETRY`` first). Each tier's own bookkeeping (jobs, probes, failed keys,
+counters, faults) is its ``TierDriver``'s; the manager applies the host side of each job.
 
 Events: the manager builds none. ``take_events`` concatenates the primary tier's events, then
 each secondary tier's, in configured order: each tier owns the events of the storage it owns.
@@ -20,7 +21,6 @@ Threading: every method runs on the scheduler thread. Only ``reset`` and ``shutd
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -36,60 +36,15 @@ from kvhex.domain.request import ReqContext
 from kvhex.domain.tiers import LookupResult, OffloadPolicy
 from kvhex.errors import TierError
 from kvhex.ports.host_buffer import HostBuffer
-from kvhex.ports.tier_store import RequestAware, TierStore
-from kvhex.service.probes import ProbeCache
+from kvhex.ports.tier_store import TierStore
+from kvhex.service.tier_driver import TierDriver, TierStats, loaded_keys
 
-__all__ = ["TierStats", "TieringManager", "TieringStats"]
+__all__ = ["TieringManager", "TieringStats"]
 
 log = structlog.get_logger(__name__)
 
-_HIT = LookupResult.HIT
-_MISS = LookupResult.MISS
-_PENDING = LookupResult.HIT_PENDING
-_RETRY = LookupResult.RETRY
-
-
-@attrs.define
-class TierStats:
-    """Cumulative counters of one secondary tier, as seen by the manager."""
-
-    name: str
-    puts_submitted: int = 0
-    puts_ok: int = 0
-    puts_failed: int = 0
-    keys_put: int = 0
-    gets_submitted: int = 0
-    gets_ok: int = 0
-    gets_failed: int = 0
-    keys_promoted: int = 0
-    keys_failed_to_promote: int = 0
-    promotion_slot_failures: int = 0
-    probes_submitted: int = 0
-    probes_failed: int = 0
-    cascades_dropped: int = 0
-    keys_dropped: int = 0
-    submit_errors: int = 0
-    poll_errors: int = 0
-    bytes_put: int = 0
-    bytes_got: int = 0
-    put_seconds: float = 0.0
-    """Time with at least one put running (jobs overlapping in time count once)."""
-    get_seconds: float = 0.0
-    """Time with at least one get running."""
-    in_flight: int = 0
-    _put_until: float = attrs.field(default=0.0, repr=False, eq=False)
-    _get_until: float = attrs.field(default=0.0, repr=False, eq=False)
-
-    def add_busy(self, kind: JobKind, start: float, end: float) -> None:
-        """Add a job that ran from ``start`` to ``end`` to the busy time of its direction,
-        counting only what does not overlap the jobs added before (results arrive about in
-        completion order, so this is the union of the intervals)."""
-        if kind is JobKind.PUT:
-            self.put_seconds += max(0.0, end - max(start, self._put_until))
-            self._put_until = max(self._put_until, end)
-        elif kind is JobKind.GET:
-            self.get_seconds += max(0.0, end - max(start, self._get_until))
-            self._get_until = max(self._get_until, end)
+_HIT, _MISS = LookupResult.HIT, LookupResult.MISS
+_PENDING, _RETRY = LookupResult.HIT_PENDING, LookupResult.RETRY
 
 
 @attrs.frozen
@@ -103,23 +58,22 @@ class TieringStats:
 
 
 @attrs.define(eq=False)
+class _Tier:
+    store: TierStore
+    driver: TierDriver
+    stats: TierStats
+    admission: AdmissionPolicy
+    promotions: dict[ReqContext, tuple[list[OffloadKey], list[int]]] = attrs.field(factory=dict)
+    """This step's promotions (keys, reserved slots) per request, sent at step end."""
+
+
+@attrs.define(eq=False)
 class _Request:
     ctx: ReqContext
     pending_stores: int = 0
     finished: bool = False
-    every_chunk_tiers: tuple[int, ...] = ()
+    every_chunk_tiers: tuple[_Tier, ...] = ()
     parked: list[OffloadKey] = attrs.field(factory=list)
-
-
-@attrs.define(eq=False)
-class _Tier:
-    index: int
-    store: TierStore
-    admission: AdmissionPolicy
-    hooks: RequestAware | None
-    probes: ProbeCache
-    missing: set[OffloadKey]
-    stats: TierStats
 
 
 class TieringManager:
@@ -147,18 +101,12 @@ class TieringManager:
         make_admission = admission or (lambda _i: AlwaysAdmit())
         self._primary = primary
         self._host = host
+        self._next_job = 0
         self._tiers: list[_Tier] = []
         for i, store in enumerate(tiers):
             name = names[i] if names else (store.identity.ownership or f"tier{i}")
-            hooks = store if isinstance(store, RequestAware) else None
-            self._tiers.append(
-                _Tier(i, store, make_admission(i), hooks, ProbeCache(), set(), TierStats(name))
-            )
-        self._jobs: dict[JobId, tuple[TierJob, _Tier, float]] = {}  # job, tier, submitted
-        self._next_job = 0
-        self._promotions: list[dict[ReqContext, tuple[list[OffloadKey], list[int]]]] = [
-            {} for _ in self._tiers
-        ]
+            driver = TierDriver(store, name, probe_ids=self._new_job_id)
+            self._tiers.append(_Tier(store, driver, driver.stats, make_admission(i)))
         self._requests: dict[ReqContext, _Request] = {}
         self._hits_this_step: set[OffloadKey] = set()
         self._remember_hit = self._hits_this_step.add
@@ -190,9 +138,9 @@ class TieringManager:
         allows = ctx.tier_filter.allows
         for tier in self._tiers:
             identity = tier.store.identity
-            if not allows(identity.medium, identity.locality) or key in tier.missing:
+            if not allows(identity.medium, identity.locality):
                 continue
-            answer = tier.probes.lookup(key, ctx)
+            answer = tier.driver.lookup(key, ctx)
             if answer is _HIT:
                 return self._start_promotion(tier, key, ctx)
             if answer is _RETRY:
@@ -204,7 +152,7 @@ class TieringManager:
         if plan is None or not plan.keys:
             tier.stats.promotion_slot_failures += 1
             return _MISS
-        keys, slots = self._promotions[tier.index].setdefault(ctx, ([], []))
+        keys, slots = tier.promotions.setdefault(ctx, ([], []))
         keys.append(key)
         slots.append(plan.slots[0])
         return _PENDING
@@ -222,8 +170,7 @@ class TieringManager:
         """Recency for the host tier, then every request-aware secondary tier."""
         self._primary.touch(keys, ctx)
         for tier in self._tiers:
-            if tier.hooks is not None:
-                tier.hooks.touch(keys, ctx)
+            tier.driver.touch(keys, ctx)
 
     # -- stores from the device ----------------------------------------------------------
     def prepare_store(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> StorePlan | None:
@@ -242,11 +189,7 @@ class TieringManager:
             request.pending_stores += 1
         if request.every_chunk_tiers:
             new = set(plan.keys)
-            present = [k for k in keys if k not in new]
-            ready = [k for k in present if self._primary.lookup(k) is _HIT]
-            request.parked.extend(k for k in present if self._primary.lookup(k) is _PENDING)
-            if ready:
-                self._cascade(ready, ctx, request.every_chunk_tiers)
+            self._cascade_present(request, [k for k in keys if k not in new])
         return plan
 
     def complete_store(
@@ -255,23 +198,20 @@ class TieringManager:
         """Finish a device -> host store; on success cascade to every admitted tier.
         A failed store never cascades."""
         if success and self._tiers:
-            admitted = self._admit(range(len(self._tiers)), len(keys))
+            admitted = self._admit(self._tiers, len(keys))
             # complete and pin once per admitted tier in one pass over the keys
             done = self._primary.complete_store(keys, ctx, True, pin=len(admitted))
             if done and admitted:
                 self._submit_puts(admitted, done, ctx)
         else:
             self._primary.complete_store(keys, ctx, success)
-        request = self._requests.get(ctx)
-        if request is not None:
-            if request.pending_stores > 0:
-                request.pending_stores -= 1
+        if (request := self._requests.get(ctx)) is not None:
+            request.pending_stores = max(0, request.pending_stores - 1)
             self._maybe_finalize(request)
 
-    def _admit(self, tier_indices: Sequence[int], n_keys: int) -> list[_Tier]:
+    def _admit(self, tiers: Sequence[_Tier], n_keys: int) -> list[_Tier]:
         admitted = []
-        for i in tier_indices:
-            tier = self._tiers[i]
+        for tier in tiers:
             if tier.admission.admit(n_keys):
                 admitted.append(tier)
             else:
@@ -279,43 +219,31 @@ class TieringManager:
                 tier.stats.keys_dropped += n_keys
         return admitted
 
-    def _cascade(
-        self, keys: Sequence[OffloadKey], ctx: ReqContext | None, tier_indices: Sequence[int]
-    ) -> None:
-        """Put ready host chunks ``keys`` into the given tiers (those admitting them)."""
-        admitted = self._admit(tier_indices, len(keys))
-        if admitted:
-            self._primary.pin(keys, times=len(admitted))
-            self._submit_puts(admitted, keys, ctx)
+    def _cascade_present(self, request: _Request, keys: Sequence[OffloadKey]) -> None:
+        """Put the chunks of ``keys`` the host tier holds into the request's every-chunk tiers
+        (those admitting them); park those still being written until a later step end."""
+        ready = []
+        for key in keys:
+            state = self._primary.lookup(key)
+            if state is _HIT:
+                ready.append(key)
+            elif state is _PENDING:
+                request.parked.append(key)
+        if ready and (admitted := self._admit(request.every_chunk_tiers, len(ready))):
+            self._primary.pin(ready, times=len(admitted))
+            self._submit_puts(admitted, ready, request.ctx)
 
-    def _submit_puts(
-        self, admitted: list[_Tier], keys: Sequence[OffloadKey], ctx: ReqContext | None
-    ) -> None:
+    def _submit_puts(self, tiers: list[_Tier], keys: Sequence[OffloadKey], ctx: ReqContext) -> None:
         """One put job per tier over chunks already pinned once per tier."""
         slots = tuple(self._primary.slots_of(keys))
         job_keys = tuple(keys)
-        for tier in admitted:
-            self._next_job += 1
-            job = TierJob(JobId(self._next_job), JobKind.PUT, job_keys, slots, ctx)
-            tier.stats.puts_submitted += 1
-            self._submit(tier, job, tier.store.submit_put)
+        for tier in tiers:
+            self._submit(tier, TierJob(self._new_job_id(), JobKind.PUT, job_keys, slots, ctx))
 
-    def _submit(self, tier: _Tier, job: TierJob, submit: Callable[[TierJob], None]) -> None:
-        self._jobs[job.job_id] = (job, tier, time.perf_counter())
-        tier.stats.in_flight += 1
-        try:
-            submit(job)
-        except Exception as exc:
-            tier.stats.submit_errors += 1
-            log.warning(
-                "tier_submit_failed",
-                tier=tier.stats.name,
-                job_id=job.job_id,
-                kind=job.kind.value,
-                error=repr(exc),
-            )
-            failed = JobResult(job.job_id, False, error=repr(exc))
-            self._finish(tier, job, failed, self._jobs[job.job_id][2])
+    def _submit(self, tier: _Tier, job: TierJob) -> None:
+        failed = tier.driver.submit(job)
+        if failed is not None:  # the store refused it: release what the job held at once
+            self._finish(tier, job, failed)
 
     def _new_job_id(self) -> JobId:
         self._next_job += 1
@@ -323,17 +251,14 @@ class TieringManager:
 
     # -- request lifecycle ---------------------------------------------------------------
     def _request(self, ctx: ReqContext) -> _Request:
-        request = self._requests.get(ctx)
-        if request is None:
+        if (request := self._requests.get(ctx)) is None:
             request = self._requests[ctx] = _Request(ctx)
         return request
 
     def on_new_request(self, ctx: ReqContext) -> OffloadPolicy:
         """First sight of a request: ``REQUEST_LEVEL`` when some tier wants every chunk of it,
         else ``CHUNK_LEVEL``."""
-        every = tuple(
-            t.index for t in self._tiers if t.hooks is not None and t.hooks.wants_every_chunk(ctx)
-        )
+        every = tuple(t for t in self._tiers if t.driver.wants_every_chunk(ctx))
         self._requests[ctx] = _Request(ctx, every_chunk_tiers=every)
         return OffloadPolicy.REQUEST_LEVEL if every else OffloadPolicy.CHUNK_LEVEL
 
@@ -348,13 +273,11 @@ class TieringManager:
         if not request.finished or request.pending_stores > 0 or request.parked:
             return
         ctx = request.ctx
-        if any(ctx in pending for pending in self._promotions):
+        if any(ctx in tier.promotions for tier in self._tiers):
             return  # its promotions go out at step end; then tiers hear "finished"
         del self._requests[ctx]
         for tier in self._tiers:
-            tier.probes.forget_request(ctx)
-            if tier.hooks is not None:
-                tier.hooks.on_request_finished(ctx)
+            tier.driver.on_request_finished(ctx)
 
     # -- steps ---------------------------------------------------------------------------
     def on_schedule_end(self) -> None:
@@ -364,116 +287,34 @@ class TieringManager:
             self._poll()
         self._polled = False
         self._hits_this_step.clear()
-        for tier, pending in zip(self._tiers, self._promotions, strict=True):
-            for ctx, (keys, slots) in pending.items():
+        for tier in self._tiers:
+            for ctx, (keys, slots) in tier.promotions.items():
                 job = TierJob(self._new_job_id(), JobKind.GET, tuple(keys), tuple(slots), ctx)
-                tier.stats.gets_submitted += 1
-                self._submit(tier, job, tier.store.submit_get)
-            pending.clear()
+                self._submit(tier, job)
+            tier.promotions.clear()
         for request in list(self._requests.values()):
             if request.parked:
-                self._retry_parked(request)
-            else:
-                self._maybe_finalize(request)
+                parked, request.parked = request.parked, []
+                self._cascade_present(request, parked)
+            self._maybe_finalize(request)
         for tier in self._tiers:
-            batch = tier.probes.take_batch()
-            if batch:
-                job = TierJob(self._new_job_id(), JobKind.PROBE, tuple(batch))
-                tier.probes.sent(batch, job.job_id)
-                tier.stats.probes_submitted += 1
-                self._submit(tier, job, tier.store.submit_probe)
-
-    def _retry_parked(self, request: _Request) -> None:
-        ready, still = [], []
-        for key in request.parked:
-            state = self._primary.lookup(key)
-            if state is _HIT:
-                ready.append(key)
-            elif state is _PENDING:
-                still.append(key)
-        request.parked = still
-        if ready:
-            self._cascade(ready, request.ctx, request.every_chunk_tiers)
-        self._maybe_finalize(request)
+            tier.driver.submit_probes()
 
     def _poll(self) -> None:
         self._polled = True
         for tier in self._tiers:
-            try:
-                results = tier.store.poll()
-            except Exception as exc:
-                tier.stats.poll_errors += 1
-                log.warning("tier_poll_failed", tier=tier.stats.name, error=repr(exc))
-                continue
-            for result in results:
-                entry = self._jobs.get(result.job_id)
-                if entry is None or entry[1] is not tier:
-                    log.warning(
-                        "tier_reported_unknown_job", tier=tier.stats.name, job_id=result.job_id
-                    )
-                    continue
-                self._finish(tier, entry[0], result, entry[2])
+            for job, result in tier.driver.poll():
+                self._finish(tier, job, result)
 
-    def _finish(self, tier: _Tier, job: TierJob, result: JobResult, submitted: float) -> None:
-        """Apply one job's result with the context the job carries."""
-        del self._jobs[job.job_id]
-        tier.stats.in_flight -= 1
-        stats = tier.stats
-        if result.seconds is not None and job.kind is not JobKind.PROBE:
-            stats.add_busy(job.kind, submitted, submitted + result.seconds)
+    def _finish(self, tier: _Tier, job: TierJob, result: JobResult) -> None:
+        """The host tier's side of a finished put or get, with the context the job carries."""
         if job.kind is JobKind.PUT:
             self._primary.unpin(job.keys)
             tier.admission.on_completed(result)
-            if result.success:
-                stats.puts_ok += 1
-                stats.keys_put += len(job.keys)
-                stats.bytes_put += result.nbytes
-                if tier.missing:
-                    tier.missing.difference_update(job.keys)
-                if len(tier.probes):
-                    tier.probes.set_answer(job.keys, found=True)
-            else:
-                stats.puts_failed += 1
-                log.info(
-                    "tier_put_failed",
-                    tier=stats.name,
-                    job_id=job.job_id,
-                    keys=len(job.keys),
-                    error=result.error,
-                )
-        elif job.kind is JobKind.GET:
-            if result.success:
-                ok, failed = list(job.keys), []
-            elif result.ok_keys is not None:
-                ok = [k for k in job.keys if k in result.ok_keys]
-                failed = [k for k in job.keys if k not in result.ok_keys]
-            else:
-                ok, failed = [], list(job.keys)
-            if ok:
-                self._primary.complete_store(ok, job.ctx, True)
-            if failed:
-                self._primary.complete_store(failed, job.ctx, False)
-                tier.missing.update(failed)
-                tier.probes.set_answer(failed, found=False)
-                log.info(
-                    "tier_get_failed",
-                    tier=stats.name,
-                    job_id=job.job_id,
-                    keys=len(failed),
-                    error=result.error,
-                )
-            stats.gets_ok += 1 if result.success else 0
-            stats.gets_failed += 0 if result.success else 1
-            stats.keys_promoted += len(ok)
-            stats.keys_failed_to_promote += len(failed)
-            stats.bytes_got += result.nbytes
-        else:
-            if not result.success:
-                stats.probes_failed += 1
-                log.info(
-                    "tier_probe_failed", tier=stats.name, job_id=job.job_id, error=result.error
-                )
-            tier.probes.resolve(job.job_id, job.keys, result.found, result.success)
+            return
+        loaded, failed = loaded_keys(job, result)  # either may be empty: a no-op then
+        self._primary.complete_store(loaded, job.ctx, True)
+        self._primary.complete_store(failed, job.ctx, False)
 
     # -- events, state, stats ------------------------------------------------------------
     def take_events(self) -> list[TierEvent]:
@@ -485,12 +326,8 @@ class TieringManager:
 
     def has_pending_work(self) -> bool:
         """True while jobs are in flight or step-end work is queued (keep stepping)."""
-        return bool(
-            self._jobs
-            or any(self._promotions)
-            or any(r.parked for r in self._requests.values())
-            or any(t.probes.pending for t in self._tiers)
-        )
+        tiers = any(t.promotions or t.driver.has_pending_work() for t in self._tiers)
+        return tiers or any(r.parked for r in self._requests.values())
 
     def reset(self) -> None:
         """Drain every tier and apply the results, drop promotions not yet submitted, reset
@@ -499,24 +336,19 @@ class TieringManager:
         """
         for tier in self._tiers:
             tier.store.drain()
-        self._polled = False
         self._poll()
-        if self._jobs:
-            names = sorted({tier.stats.name for _, tier, _ in self._jobs.values()})
-            raise TierError(
-                f"{len(self._jobs)} jobs still unreported after drain", tier=",".join(names)
-            )
-        for pending in self._promotions:
-            pending.clear()
+        if unreported := sum(t.driver.in_flight for t in self._tiers):
+            names = ",".join(sorted(t.stats.name for t in self._tiers if t.driver.in_flight))
+            raise TierError(f"{unreported} jobs still unreported after drain", tier=names)
         self._hits_this_step.clear()
+        for tier in self._tiers:
+            tier.promotions.clear()
+            tier.driver.clear()
+            tier.admission.reset()
         for request in list(self._requests.values()):
             request.pending_stores = 0
             request.parked.clear()
             self._maybe_finalize(request)
-        for tier in self._tiers:
-            tier.probes.clear()
-            tier.missing.clear()
-            tier.admission.reset()
         self._primary.reset()
         self._polled = False
 
@@ -533,10 +365,9 @@ class TieringManager:
                 failed.append((tier.stats.name, repr(exc)))
                 log.error("tier_close_failed", tier=tier.stats.name, error=repr(exc))
         if failed:
-            raise TierError(
-                "shutdown failed; host buffer kept: " + "; ".join(f"{n}: {e}" for n, e in failed),
-                tier=",".join(name for name, _ in failed),
-            )
+            detail = "; ".join(f"{name}: {error}" for name, error in failed)
+            names = ",".join(name for name, _ in failed)
+            raise TierError(f"shutdown failed; host buffer kept: {detail}", tier=names)
         self._closed = True
         close: Any = getattr(self._host, "close", None)
         self._host = None
@@ -556,4 +387,5 @@ class TieringManager:
     def stats(self) -> TieringStats:
         """Snapshot of the primary tier's and every secondary tier's counters."""
         tiers = tuple(attrs.evolve(t.stats) for t in self._tiers)
-        return TieringStats(self._primary.stats(), tiers, len(self._requests), len(self._jobs))
+        in_flight = sum(t.driver.in_flight for t in self._tiers)
+        return TieringStats(self._primary.stats(), tiers, len(self._requests), in_flight)

@@ -11,7 +11,9 @@ In vLLM's ``TieringOffloadingSpec`` configuration::
 against its signature (an unknown option fails vLLM's start-up with a ``ConfigError`` naming
 it). vLLM's ``TieringOffloadingManager`` drives it through vLLM's ``SecondaryTierManager``
 contract: cascades become kvhex put jobs, promotions get jobs, lookups are answered from
-asynchronous existence probes (``RETRY`` until a probe answers, one probe job per step).
+asynchronous existence probes (``RETRY`` until a probe answers, one probe job per step). The
+tier's bookkeeping is kvhex's ``TierDriver``, as in kvhex's own manager; vLLM allocates the
+ids of puts and gets, probes take negative ids (they never meet vLLM's).
 
 Events: the tier's own stores and removals (``STORAGE``, its locality, its name as
 ownership), only when ``enable_kv_events`` is set and vLLM's KV events are on, as vLLM's
@@ -20,6 +22,7 @@ file tier does.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Collection, Iterable
 from typing import Any, ClassVar
 
@@ -35,8 +38,7 @@ from kvhex.domain.keys import OffloadKey
 from kvhex.domain.tiers import OffloadPolicy
 from kvhex.errors import ConfigError
 from kvhex.plugins import Registry
-from kvhex.ports.tier_store import RequestAware
-from kvhex.service.probes import ProbeCache
+from kvhex.service.tier_driver import TierDriver, loaded_keys
 
 __all__ = ["KvhexSecondaryTier"]
 
@@ -75,26 +77,17 @@ class KvhexSecondaryTier(vtier.SecondaryTierManager):
         super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
         entry: dict[str, Any] = {"type": KVHEX_TIER_TYPE, "tier": tier, **options}
         entry["enable_kv_events"] = enable_kv_events
-        if locality is not None:
-            entry["locality"] = locality
-        if kvhex is not None:
-            entry["kvhex"] = kvhex
+        entry |= {k: v for k, v in (("locality", locality), ("kvhex", kvhex)) if v is not None}
         path = f"$.secondary_tiers[{tier_type}:{tier}]"
         settings = parse_tier(entry, path)
         if settings.backpressure is not None:
-            raise ConfigError(
-                [
-                    (
-                        f"{path}.kvhex.backpressure",
-                        "inside vLLM's TieringOffloadingSpec admission is vLLM's: set "
-                        "'backpressure' in the tier entry",
-                    )
-                ],
-                "kv_connector_extra_config",
+            why = (
+                "inside vLLM's TieringOffloadingSpec admission is vLLM's: set 'backpressure' "
+                "in the tier entry"
             )
-        view = primary_kv_view
-        num_chunks = view.shape[0] if view.shape else 0
-        host = RegionHostBuffer(view, num_chunks, self.block_size_bytes)
+            raise ConfigError([(f"{path}.kvhex.backpressure", why)], "kv_connector_extra_config")
+        num_chunks = primary_kv_view.shape[0] if primary_kv_view.shape else 0
+        host = RegionHostBuffer(primary_kv_view, num_chunks, self.block_size_bytes)
         from kvhex.adapters.vllm.spec import namespace_of
 
         namespace = namespace_of(offloading_spec.config, self.block_size_bytes)
@@ -105,39 +98,20 @@ class KvhexSecondaryTier(vtier.SecondaryTierManager):
         self.locality = vbase.Locality(identity.locality.value) if identity.locality else None
         if identity.medium.name in ("CPU", "STORAGE"):
             self.medium = vbase.Medium(identity.medium.name)  # type: ignore[misc]
-        self._hooks = self._store if isinstance(self._store, RequestAware) else None
         self._events = enable_kv_events and offloading_spec.kv_events_config.enable_kv_cache_events
         if enable_kv_events and not self._events:
             log.warning("tier_events_off_globally", tier=self.name)
-        self._jobs: dict[int, TierJob] = {}
-        self._failed: list[vtier.JobResult] = []
-        self._probes = ProbeCache()
-        self._missing: set[OffloadKey] = set()
-        self._next_probe = 0
+        probe_ids = itertools.count(-1, -1)
+        self._driver = TierDriver(self._store, self.name, probe_ids=lambda: JobId(next(probe_ids)))
+        self._refused: list[vtier.JobResult] = []  # failed submissions, for the next poll
 
-    # -- lookups -------------------------------------------------------------------------
+    # -- lookups and jobs ----------------------------------------------------------------
     def lookup(self, key: OffloadKey, req_context: vbase.ReqContext) -> vbase.LookupResult:
-        if key in self._missing:
-            return vbase.LookupResult.MISS
-        ctx, _ = context_of(req_context)
-        return LOOKUP[self._probes.lookup(key, ctx)]
+        return LOOKUP[self._driver.lookup(key, context_of(req_context)[0])]
 
     def on_schedule_end(self, context: vbase.ScheduleEndContext) -> None:
-        batch = self._probes.take_batch()
-        if not batch:
-            return
-        self._next_probe -= 1  # negative ids never meet vLLM's job ids
-        job = TierJob(JobId(self._next_probe), JobKind.PROBE, tuple(batch))
-        self._probes.sent(batch, job.job_id)
-        self._jobs[job.job_id] = job
-        try:
-            self._store.submit_probe(job)
-        except Exception as exc:
-            del self._jobs[job.job_id]
-            log.warning("tier_probe_submit_failed", tier=self.name, error=repr(exc))
-            self._probes.resolve(job.job_id, job.keys, frozenset(), False)
+        self._driver.submit_probes()
 
-    # -- jobs ----------------------------------------------------------------------------
     def submit_store(self, job_metadata: vtier.TransferJob) -> None:
         self._submit(job_metadata, JobKind.PUT)
 
@@ -146,81 +120,33 @@ class KvhexSecondaryTier(vtier.SecondaryTierManager):
 
     def _submit(self, vjob: vtier.TransferJob, kind: JobKind) -> None:
         ctx, _ = context_of(vjob.req_context)
-        job = TierJob(
-            JobId(vjob.job_id),
-            kind,
-            tuple(vjob.keys),
-            tuple(int(c) for c in vjob.chunk_ids),
-            ctx,
-        )
-        self._jobs[job.job_id] = job
-        submit = self._store.submit_put if kind is JobKind.PUT else self._store.submit_get
-        try:
-            submit(job)
-        except Exception as exc:  # reported like any failed job, on the next poll
-            del self._jobs[job.job_id]
-            log.warning("tier_submit_failed", tier=self.name, job_id=job.job_id, error=repr(exc))
-            self._failed.append(vtier.JobResult(job_id=vjob.job_id, success=False))
-            if kind is JobKind.GET:
-                self._mark_missing(job.keys)
+        slots = tuple(int(c) for c in vjob.chunk_ids)
+        job = TierJob(JobId(vjob.job_id), kind, tuple(vjob.keys), slots, ctx)
+        failed = self._driver.submit(job)
+        if failed is not None:  # vLLM hears of it like any failed job, on the next poll
+            self._refused.append(_vllm_result(job, failed))
 
     def get_finished_jobs(self) -> Iterable[vtier.JobResult]:
-        out, self._failed = self._failed, []
-        for result in self._store.poll():
-            job = self._jobs.pop(result.job_id, None)
-            if job is None:
-                log.warning("tier_reported_unknown_job", tier=self.name, job_id=result.job_id)
-            elif job.kind is JobKind.PROBE:
-                self._probes.resolve(job.job_id, job.keys, result.found, result.success)
-            else:
-                out.append(self._finished(job, result))
+        out, self._refused = self._refused, []
+        out.extend(_vllm_result(job, result) for job, result in self._driver.poll())
         return out
-
-    def _finished(self, job: TierJob, result: JobResult) -> vtier.JobResult:
-        successful: Collection[OffloadKey] | None = None
-        if job.kind is JobKind.PUT:
-            if result.success:
-                self._missing.difference_update(job.keys)
-                self._probes.set_answer(job.keys, found=True)
-        elif not result.success:
-            ok = result.ok_keys or frozenset()
-            self._mark_missing([k for k in job.keys if k not in ok])
-            if result.ok_keys:
-                successful = [k for k in job.keys if k in ok]
-        return vtier.JobResult(
-            job_id=int(job.job_id),
-            success=result.success,
-            successful_keys=successful,
-            transfer_time=result.seconds,
-            transfer_bytes=result.nbytes or None,
-        )
-
-    def _mark_missing(self, keys: Collection[OffloadKey]) -> None:
-        """A failed load: never promote these again from here (no re-promotion loop)."""
-        self._missing.update(keys)
-        self._probes.set_answer(tuple(keys), found=False)
 
     def drain_jobs(self) -> None:
         self._store.drain()
 
     def has_pending_work(self) -> bool:
-        return bool(self._jobs or self._failed or self._probes.pending)
+        return bool(self._refused) or self._driver.has_pending_work()
 
     # -- requests and events -------------------------------------------------------------
     def on_new_request(self, req_context: vbase.ReqContext) -> vbase.RequestOffloadingContext:
-        ctx, _ = context_of(req_context)
-        every = self._hooks is not None and self._hooks.wants_every_chunk(ctx)
+        every = self._driver.wants_every_chunk(context_of(req_context)[0])
         return policy_of(OffloadPolicy.REQUEST_LEVEL if every else OffloadPolicy.CHUNK_LEVEL)
 
     def touch(self, keys: Collection[OffloadKey], req_context: vbase.ReqContext) -> None:
-        if self._hooks is not None:
-            self._hooks.touch(list(keys), context_of(req_context)[0])
+        self._driver.touch(list(keys), context_of(req_context)[0])
 
     def on_request_finished(self, req_context: vbase.ReqContext) -> None:
-        ctx, _ = context_of(req_context)
-        self._probes.forget_request(ctx)
-        if self._hooks is not None:
-            self._hooks.on_request_finished(ctx)
+        self._driver.on_request_finished(context_of(req_context)[0])
 
     def take_events(self) -> Iterable[vbase.OffloadingEvent]:
         raw = self._store.take_events()
@@ -229,3 +155,17 @@ class KvhexSecondaryTier(vtier.SecondaryTierManager):
     def shutdown(self) -> None:
         self._store.close()
         self._host.close()  # our view only: vLLM owns the region
+
+
+def _vllm_result(job: TierJob, result: JobResult) -> vtier.JobResult:
+    """vLLM's result of a put or get; a partly failed get names the keys it did load."""
+    successful: Collection[OffloadKey] | None = None
+    if job.kind is JobKind.GET and not result.success:
+        successful = loaded_keys(job, result)[0] or None
+    return vtier.JobResult(
+        job_id=int(job.job_id),
+        success=result.success,
+        successful_keys=successful,
+        transfer_time=result.seconds,
+        transfer_bytes=result.nbytes or None,
+    )

@@ -1,0 +1,304 @@
+"""``TierDriver``: the job bookkeeping of one secondary tier, whoever owns the host tier.
+
+Two owners drive kvhex tiers: ``TieringManager`` (kvhex's own host tier) and the vLLM adapter's
+``KvhexSecondaryTier`` (vLLM's host tier). Everything that concerns the tier alone lives here,
+once: the jobs in flight and when they were submitted, the existence probes (``ProbeCache``),
+the keys whose get failed ("missing": never promoted from this tier again until a put stores
+them, so a lost block cannot loop through promotion, vLLM #49176), the tier's counters, and
+the store's faults (a submission or a poll that raises). It also passes the request lifecycle
+to a ``RequestAware`` tier, when its owner says. The owner applies the host-side effects of
+each finished put and get: unpin, complete a promotion, admission.
+
+Job ids: the owner allocates those of puts and gets; probe ids come from ``probe_ids``
+(kvhex's manager shares one counter across tiers; inside vLLM they are negative, so they never
+meet vLLM's). An id must be unique within one driver while its job is in flight.
+
+Threading: scheduler thread only. Nothing here blocks; ``submit`` and ``poll`` call the store,
+whose contract is not to block either.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+
+import attrs
+import structlog
+
+from kvhex.domain.jobs import JobId, JobKind, JobResult, TierJob
+from kvhex.domain.keys import OffloadKey
+from kvhex.domain.request import ReqContext
+from kvhex.domain.tiers import LookupResult
+from kvhex.ports.tier_store import RequestAware, TierStore
+from kvhex.service.probes import ProbeCache
+
+__all__ = ["TierDriver", "TierStats", "loaded_keys"]
+
+log = structlog.get_logger(__name__)
+
+_PUT, _GET, _PROBE = JobKind.PUT, JobKind.GET, JobKind.PROBE
+_MISS = LookupResult.MISS
+
+
+@attrs.define
+class TierStats:
+    """Cumulative counters of one secondary tier: its driver's, and the few its owner adds
+    (``promotion_slot_failures``, ``cascades_dropped``, ``keys_dropped``)."""
+
+    name: str
+    puts_submitted: int = 0
+    puts_ok: int = 0
+    puts_failed: int = 0
+    keys_put: int = 0
+    gets_submitted: int = 0
+    gets_ok: int = 0
+    gets_failed: int = 0
+    keys_promoted: int = 0
+    keys_failed_to_promote: int = 0
+    promotion_slot_failures: int = 0
+    probes_submitted: int = 0
+    probes_failed: int = 0
+    cascades_dropped: int = 0
+    keys_dropped: int = 0
+    submit_errors: int = 0
+    poll_errors: int = 0
+    bytes_put: int = 0
+    bytes_got: int = 0
+    put_seconds: float = 0.0
+    """Time with at least one put running (jobs overlapping in time count once)."""
+    get_seconds: float = 0.0
+    """Time with at least one get running."""
+    in_flight: int = 0
+    _put_until: float = attrs.field(default=0.0, repr=False, eq=False)
+    _get_until: float = attrs.field(default=0.0, repr=False, eq=False)
+
+    def add_busy(self, kind: JobKind, start: float, end: float) -> None:
+        """Add a job that ran from ``start`` to ``end`` to the busy time of its direction,
+        counting only what does not overlap the jobs added before (results arrive about in
+        completion order, so this is the union of the intervals)."""
+        if kind is JobKind.PUT:
+            self.put_seconds += max(0.0, end - max(start, self._put_until))
+            self._put_until = max(self._put_until, end)
+        elif kind is JobKind.GET:
+            self.get_seconds += max(0.0, end - max(start, self._get_until))
+            self._get_until = max(self._get_until, end)
+
+
+def loaded_keys(job: TierJob, result: JobResult) -> tuple[list[OffloadKey], list[OffloadKey]]:
+    """The keys a finished get loaded and those it did not, each in job order. A failed get
+    with ``ok_keys`` is a partial success; without them every key failed."""
+    if result.success:
+        return list(job.keys), []
+    ok = result.ok_keys
+    if ok is None:
+        return [], list(job.keys)
+    return [k for k in job.keys if k in ok], [k for k in job.keys if k not in ok]
+
+
+class TierDriver:
+    """Submits one tier's jobs, polls their results and keeps what they teach about the tier."""
+
+    __slots__ = ("_hooks", "_jobs", "_missing", "_probe_ids", "_probes", "_stats", "_store")
+
+    def __init__(self, store: TierStore, name: str, *, probe_ids: Callable[[], JobId]) -> None:
+        """Args:
+        store: the tier.
+        name: the tier's name in stats and logs.
+        probe_ids: a new job id for each probe job (never one the owner uses for a put or
+            get in flight on this tier).
+        """
+        self._store = store
+        self._hooks = store if isinstance(store, RequestAware) else None
+        self._stats = TierStats(name)
+        self._probe_ids = probe_ids
+        self._jobs: dict[JobId, tuple[TierJob, float]] = {}  # job, submitted (perf_counter)
+        self._probes = ProbeCache()
+        self._missing: set[OffloadKey] = set()
+
+    @property
+    def store(self) -> TierStore:
+        """The tier (its owner calls ``identity``, ``take_events``, ``drain`` and ``close``)."""
+        return self._store
+
+    @property
+    def stats(self) -> TierStats:
+        """The live counters (the owner adds its own to them; snapshot with ``attrs.evolve``)."""
+        return self._stats
+
+    @property
+    def in_flight(self) -> int:
+        """Jobs submitted and not yet reported."""
+        return len(self._jobs)
+
+    def lookup(self, key: OffloadKey, ctx: ReqContext) -> LookupResult:
+        """``MISS`` for a key whose get failed here; otherwise the probe's answer: ``HIT`` or
+        ``MISS`` once answered, ``RETRY`` before (the first ask queues the key for the probe
+        ``submit_probes`` sends). ``ctx`` keeps the answer alive until ``forget_request``."""
+        if key in self._missing:
+            return _MISS
+        return self._probes.lookup(key, ctx)
+
+    def submit(self, job: TierJob) -> JobResult | None:
+        """Send a put or get job to the store.
+
+        Returns ``None`` when the store took the job (its result comes from a later ``poll``).
+        When the submission raised, the failed result, already counted (``submit_errors``,
+        ``puts_failed`` / ``gets_failed``), logged and applied to this driver (a failed get
+        marks its keys missing); ``poll`` never reports that job, so the owner applies its
+        own effects of the failure now or reports it later.
+
+        Raises:
+            ValueError: ``job`` is a probe (probes are the driver's own: ``submit_probes``).
+        """
+        if job.kind is _PUT:
+            self._stats.puts_submitted += 1
+            return self._send(job, self._store.submit_put)
+        if job.kind is _GET:
+            self._stats.gets_submitted += 1
+            return self._send(job, self._store.submit_get)
+        raise ValueError(f"job {job.job_id}: probes are sent by submit_probes")
+
+    def submit_probes(self) -> None:
+        """Once per step: send the keys lookups queued since the last call as one probe job.
+        A probe whose submission raises answers ``MISS`` for its keys at once."""
+        batch = self._probes.take_batch()
+        if batch:
+            job = TierJob(self._probe_ids(), _PROBE, tuple(batch))
+            self._probes.sent(batch, job.job_id)
+            self._stats.probes_submitted += 1
+            self._send(job, self._store.submit_probe)
+
+    def _send(self, job: TierJob, send: Callable[[TierJob], None]) -> JobResult | None:
+        submitted = time.perf_counter()
+        self._jobs[job.job_id] = (job, submitted)
+        self._stats.in_flight += 1
+        try:
+            send(job)
+        except Exception as exc:
+            self._stats.submit_errors += 1
+            log.warning(
+                "tier_submit_failed",
+                tier=self._stats.name,
+                job_id=job.job_id,
+                kind=job.kind.value,
+                error=repr(exc),
+            )
+            failed = JobResult(job.job_id, False, error=repr(exc))
+            self._finish(job, failed, submitted)
+            return failed
+        return None
+
+    def poll(self) -> list[tuple[TierJob, JobResult]]:
+        """The puts and gets the store finished since the last call, with their results, in
+        the order reported; their effects on this driver (counters, missing keys, probe
+        answers) are applied. Probe results are applied to the probe answers and not returned.
+        A result for a job this driver does not know is logged and dropped; a poll that
+        raises is counted (``poll_errors``), logged, and returns nothing."""
+        try:
+            results = self._store.poll()
+        except Exception as exc:
+            self._stats.poll_errors += 1
+            log.warning("tier_poll_failed", tier=self._stats.name, error=repr(exc))
+            return []
+        finished = []
+        for result in results:
+            entry = self._jobs.get(result.job_id)
+            if entry is None:
+                log.warning(
+                    "tier_reported_unknown_job", tier=self._stats.name, job_id=result.job_id
+                )
+                continue
+            job = entry[0]
+            self._finish(job, result, entry[1])
+            if job.kind is not _PROBE:
+                finished.append((job, result))
+        return finished
+
+    def _finish(self, job: TierJob, result: JobResult, submitted: float) -> None:
+        del self._jobs[job.job_id]
+        self._stats.in_flight -= 1
+        if job.kind is _PROBE:
+            self._finish_probe(job, result)
+            return
+        if result.seconds is not None:
+            self._stats.add_busy(job.kind, submitted, submitted + result.seconds)
+        if job.kind is _PUT:
+            self._finish_put(job, result)
+        else:
+            self._finish_get(job, result)
+
+    def _finish_put(self, job: TierJob, result: JobResult) -> None:
+        stats = self._stats
+        if result.success:
+            stats.puts_ok += 1
+            stats.keys_put += len(job.keys)
+            stats.bytes_put += result.nbytes
+            if self._missing:
+                self._missing.difference_update(job.keys)
+            if len(self._probes):
+                self._probes.set_answer(job.keys, found=True)
+        else:
+            stats.puts_failed += 1
+            log.info(
+                "tier_put_failed",
+                tier=stats.name,
+                job_id=job.job_id,
+                keys=len(job.keys),
+                error=result.error,
+            )
+
+    def _finish_get(self, job: TierJob, result: JobResult) -> None:
+        stats = self._stats
+        loaded, failed = loaded_keys(job, result)
+        if failed:
+            self._missing.update(failed)
+            self._probes.set_answer(failed, found=False)
+            log.info(
+                "tier_get_failed",
+                tier=stats.name,
+                job_id=job.job_id,
+                keys=len(failed),
+                error=result.error,
+            )
+        if result.success:
+            stats.gets_ok += 1
+        else:
+            stats.gets_failed += 1
+        stats.keys_promoted += len(loaded)
+        stats.keys_failed_to_promote += len(failed)
+        stats.bytes_got += result.nbytes
+
+    def _finish_probe(self, job: TierJob, result: JobResult) -> None:
+        if not result.success:
+            self._stats.probes_failed += 1
+            log.info(
+                "tier_probe_failed", tier=self._stats.name, job_id=job.job_id, error=result.error
+            )
+        self._probes.resolve(job.job_id, job.keys, result.found, result.success)
+
+    # -- request lifecycle (the owner decides when) ---------------------------------------
+    def wants_every_chunk(self, ctx: ReqContext) -> bool:
+        """Whether the tier is ``RequestAware`` and wants every chunk of ``ctx``."""
+        return self._hooks is not None and self._hooks.wants_every_chunk(ctx)
+
+    def touch(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> None:
+        """``ctx`` used ``keys``: a recency hint for a ``RequestAware`` tier."""
+        if self._hooks is not None:
+            self._hooks.touch(keys, ctx)
+
+    def on_request_finished(self, ctx: ReqContext) -> None:
+        """``ctx`` finished: drop the probe answers only it still wanted, and tell a
+        ``RequestAware`` tier."""
+        self._probes.forget_request(ctx)
+        if self._hooks is not None:
+            self._hooks.on_request_finished(ctx)
+
+    def clear(self) -> None:
+        """Forget probe answers and missing keys (after a reset drained and polled every job;
+        the tier keeps its data and its counters)."""
+        self._probes.clear()
+        self._missing.clear()
+
+    def has_pending_work(self) -> bool:
+        """True while jobs are in flight or keys wait for the next probe."""
+        return bool(self._jobs) or self._probes.pending
