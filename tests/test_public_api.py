@@ -40,6 +40,8 @@ PUBLIC = [
     "kvhex.adapters.fsck",
     "kvhex.adapters.nixl",
     "kvhex.adapters.torch",
+    "kvhex.adapters.torch.direct",
+    "kvhex.adapters.torch.workers",
     "kvhex.adapters.torch.host",
     "kvhex.adapters.torch.staging",
     "kvhex.adapters.torch.transfer",

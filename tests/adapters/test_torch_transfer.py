@@ -1,11 +1,17 @@
-"""TorchBlockTransfer on CPU tensors: round trips with equal bytes for many layouts and jobs,
-ordering with many jobs in flight, failed copies, and errors that name the job and field.
-(The CUDA path shares the copy code; its own tests are in test_torch_cuda.py.)"""
+"""TorchBlockTransfer on CPU tensors: round trips with equal bytes for many layouts, KV
+allocations, host strides and jobs, ordering with many jobs in flight, failed copies, and
+errors that name the job and field. (The CPU path copies with DirectCopier; the CUDA path's
+StagedCopier also runs on CPU tensors in test_torch_copiers.py, on a GPU in
+test_torch_cuda.py.)"""
 
 from __future__ import annotations
 
+import ctypes
+import threading
 from collections.abc import Iterator
+from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
@@ -15,6 +21,7 @@ from kvhex.adapters.torch import TorchBlockTransfer, TorchHostBuffer
 from kvhex.domain import JobId, TransferJob, TransferKind, TransferResult
 from kvhex.errors import TransferError
 from kvhex.ports import BlockTransfer, HostBuffer
+from tests.adapters.torch_kv import ALLOCATIONS, HOSTS, StridedHost, check_round_trip
 from tests.domain.transfers import Layout, jobs, layouts, placements
 
 STORE, LOAD = TransferKind.STORE, TransferKind.LOAD
@@ -23,8 +30,8 @@ STORE, LOAD = TransferKind.STORE, TransferKind.LOAD
 def _random_caches(spec: Layout, seed: int) -> list[torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
     return [
-        torch.randint(0, 256, (spec.num_blocks[g], page), dtype=torch.uint8, generator=gen)
-        for page, g in zip(spec.page_bytes, spec.tensor_groups, strict=True)
+        torch.randint(0, 256, (spec.tensor_blocks(t), page), dtype=torch.uint8, generator=gen)
+        for t, page in enumerate(spec.page_bytes)
     ]
 
 
@@ -35,69 +42,59 @@ def _drain(transfer: TorchBlockTransfer, ids: list[int]) -> list[TransferResult]
     return results
 
 
-@settings(max_examples=120, deadline=None)
+@settings(max_examples=150, deadline=None)
 @given(
     data=st.data(),
     spec=layouts(),
-    staging=st.sampled_from(["one-slot", "three-slots", "large"]),
+    allocation=st.sampled_from(ALLOCATIONS),
+    host=st.sampled_from(HOSTS),
+    threads=st.sampled_from([1, 2, 3]),
 )
 def test_round_trip_device_host_device_keeps_every_byte(
-    data: st.DataObject, spec: Layout, staging: str
+    data: st.DataObject, spec: Layout, allocation: str, host: str, threads: int
 ) -> None:
-    num_slots = 40
-    staging_bytes = {"one-slot": 1, "three-slots": 3 * spec.slot_bytes, "large": 1 << 24}[staging]
-    store = data.draw(jobs(spec, num_slots, STORE, job_id=1))
-    source = _random_caches(spec, seed=1)
-    with TorchHostBuffer(num_slots, spec.slot_bytes) as host:
-        before = torch.randint(0, 256, (num_slots, spec.slot_bytes), dtype=torch.uint8)
-        host.tensor.copy_(before)
+    store = data.draw(jobs(spec, 40, STORE, job_id=1, loadable=True))
+    count = len(spec.page_bytes)
+    gaps = data.draw(st.lists(st.integers(0, 24), min_size=count, max_size=count))
+
+    def copy(buffer: StridedHost, caches: list[torch.Tensor], job: TransferJob) -> int:
         transfer = TorchBlockTransfer(
-            host,
-            source,
+            buffer,
+            caches,
             tensor_groups=spec.tensor_groups,
             blocks_per_chunk=spec.blocks_per_chunk,
-            staging_bytes=staging_bytes,
+            copy_threads=threads,
         )
-        writes = placements(spec, store)
-        transfer.submit_store(store)
-        [result] = _drain(transfer, [1])
+        (transfer.submit_store if job.kind is STORE else transfer.submit_load)(job)
+        [result] = _drain(transfer, [job.job_id])
         assert result.success, result.error
-        assert result.nbytes == sum(w.length for w in writes)
         assert result.seconds is not None
         assert result.seconds >= 0
-        expected = before.view(-1).clone()
-        for w in writes:
-            expected[w.host : w.host + w.length] = source[w.tensor][w.block]
-        assert torch.equal(host.tensor.view(-1), expected)  # and nothing else was touched
         transfer.close()
+        return result.nbytes
 
-        # load the same slots back into fresh device tensors
-        target = [torch.zeros_like(t) for t in source]
-        back = TorchBlockTransfer(
-            host,
-            target,
-            tensor_groups=spec.tensor_groups,
-            blocks_per_chunk=spec.blocks_per_chunk,
-            staging_bytes=staging_bytes,
+    check_round_trip(spec, store, copy, allocation=allocation, gaps=gaps, host=host)
+
+
+@settings(max_examples=40, deadline=None)
+@given(data=st.data(), spec=layouts(shared=True), allocation=st.sampled_from(ALLOCATIONS))
+def test_tensors_shared_by_groups_round_trip(
+    data: st.DataObject, spec: Layout, allocation: str
+) -> None:
+    store = data.draw(jobs(spec, 40, STORE, job_id=1, loadable=True))
+
+    def copy(buffer: StridedHost, caches: list[torch.Tensor], job: TransferJob) -> int:
+        transfer = TorchBlockTransfer(
+            buffer, caches, tensor_groups=spec.tensor_groups, blocks_per_chunk=spec.blocks_per_chunk
         )
-        load = TransferJob(
-            JobId(2),
-            LOAD,
-            store.slots,
-            store.block_ids,
-            group_sizes=store.group_sizes,
-            block_indices=store.block_indices,
-        )
-        back.submit_load(load)
-        [result] = _drain(back, [2])
+        (transfer.submit_store if job.kind is STORE else transfer.submit_load)(job)
+        [result] = _drain(transfer, [job.job_id])
         assert result.success, result.error
-        assert result.nbytes == sum(w.length for w in writes)
-        loaded = [torch.zeros_like(t) for t in source]
-        for w in writes:
-            loaded[w.tensor][w.block] = source[w.tensor][w.block]
-        for got, want in zip(target, loaded, strict=True):
-            assert torch.equal(got, want)  # job blocks equal, every other block untouched
-        back.close()
+        transfer.close()
+        return result.nbytes
+
+    gaps = [8] * len(spec.page_bytes)
+    check_round_trip(spec, store, copy, allocation=allocation, gaps=gaps, host="rank")
 
 
 def _single(
@@ -173,29 +170,53 @@ def test_wait_ignores_unknown_and_reported_ids_and_close_keeps_results(
         transfer.submit_store(TransferJob(JobId(3), STORE, [2], [4, 5]))
 
 
-def test_a_failed_copy_is_a_failed_result_and_later_jobs_still_run(
-    host: TorchHostBuffer, monkeypatch: pytest.MonkeyPatch
+def test_a_failing_task_fails_its_job_and_jobs_after_it_still_run(
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    caches = _caches()
-    transfer = _single(host, caches)
+    # the CPU path copies each piece (numpy's copyto, or memmove for a contiguous stretch)
+    # on two copy threads
+    page, num_blocks = 128 << 10, 16
+    caches = [torch.randint(0, 256, (num_blocks, page), dtype=torch.uint8) for _ in range(2)]
     calls = {"n": 0}
-    real = torch.index_select
+    lock = threading.Lock()
+    real_copyto, real_move = np.copyto, ctypes.memmove
 
-    def failing_once(*args: object, **kwargs: object) -> torch.Tensor:
-        calls["n"] += 1
-        if calls["n"] == 1:
-            raise RuntimeError("injected device fault")
-        return real(*args, **kwargs)  # type: ignore[call-overload,no-any-return]
+    def first_fails() -> bool:
+        with lock:
+            calls["n"] += 1
+            return calls["n"] == 1
 
-    monkeypatch.setattr(torch, "index_select", failing_once)
-    transfer.submit_store(TransferJob(JobId(1), STORE, [0], [0, 1]))
-    transfer.submit_store(TransferJob(JobId(2), STORE, [1], [2, 3]))
-    failed, ok = _drain(transfer, [1, 2])
-    assert (failed.job_id, failed.success, failed.nbytes) == (1, False, 0)
-    assert failed.error == "RuntimeError: injected device fault"
-    assert (ok.job_id, ok.success, ok.nbytes) == (2, True, 192)
-    assert torch.equal(host.tensor[1, :96].view(2, 48), caches[0][2:4])
-    transfer.close()
+    def copyto(dst: Any, src: Any) -> None:
+        if first_fails():
+            raise RuntimeError("injected fault")
+        real_copyto(dst, src)
+
+    def move(dst: int, src: int, count: int) -> int:
+        if first_fails():
+            raise RuntimeError("injected fault")
+        return int(real_move(dst, src, count))
+
+    with TorchHostBuffer(2 * num_blocks, 2 * page) as host:
+        transfer = TorchBlockTransfer(
+            host, caches, tensor_groups=[0, 0], blocks_per_chunk=[1], copy_threads=2
+        )
+        blocks = list(range(num_blocks))[::-1]
+        monkeypatch.setattr(np, "copyto", copyto)  # the copies of either kind
+        monkeypatch.setattr(ctypes, "memmove", move)
+        transfer.submit_store(TransferJob(JobId(1), STORE, list(range(16)), blocks))
+        transfer.submit_store(TransferJob(JobId(2), STORE, list(range(16, 32)), blocks))
+        # the same slots as job 1: runs after it, so its bytes are the ones left
+        transfer.submit_store(TransferJob(JobId(3), STORE, list(range(16)), blocks[::-1]))
+        failed, ok, again = _drain(transfer, [1, 2, 3])
+        monkeypatch.undo()
+        assert (failed.success, failed.nbytes) == (False, 0)
+        assert failed.error == "RuntimeError: injected fault"
+        assert (ok.success, ok.nbytes) == (True, 16 * 2 * page)
+        assert again.success
+        for slot, block in enumerate(blocks):
+            assert torch.equal(host.tensor[16 + slot, :page], caches[0][block])
+            assert torch.equal(host.tensor[slot, page:], caches[1][num_blocks - 1 - block])
+        transfer.close()
 
 
 def test_any_dtype_with_blocks_first_is_viewed_as_bytes(host: TorchHostBuffer) -> None:
@@ -270,17 +291,56 @@ def test_submissions_that_do_not_fit_name_the_job_and_field(host: TorchHostBuffe
     transfer.close()
 
 
-def test_host_tensor_must_be_the_slots(host: TorchHostBuffer) -> None:
-    class WrongShape:
-        num_slots = 64
-        slot_bytes = 192
-        tensor = torch.zeros(32, 192, dtype=torch.uint8)
+class _Host:
+    """A host buffer of 64 slots of 192 bytes over any tensor (the transfer reads .tensor)."""
 
-        def slot_view(self, slot: int) -> memoryview:
-            raise NotImplementedError
+    num_slots = 64
+    slot_bytes = 192
 
-    with pytest.raises(TransferError, match=r"host tensor must be .* \[64, 192\], got"):
-        _single(WrongShape(), _caches())  # type: ignore[arg-type]
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor = tensor
+
+    def slot_view(self, slot: int) -> memoryview:
+        raise NotImplementedError
+
+
+@pytest.mark.parametrize(
+    ("tensor", "words"),
+    [
+        (torch.zeros(32, 192, dtype=torch.uint8), r"uint8 or int8 CPU tensor \[64, 192\], got"),
+        (torch.zeros(64, 192, dtype=torch.float32), r"got torch.float32 \[64, 192\] on cpu"),
+        (
+            torch.zeros(64, 384, dtype=torch.uint8)[:, ::2],
+            r"rows must be contiguous \(stride\(1\) == 1\), got strides \[384, 2\]",
+        ),
+        (
+            torch.zeros(64 * 100 + 92, dtype=torch.int8).as_strided((64, 192), (100, 1)),
+            r"rows are 100 bytes apart \(stride\(0\)\), less than slot_bytes 192",
+        ),
+    ],
+)
+def test_host_tensor_must_be_the_slots(tensor: torch.Tensor, words: str) -> None:
+    with pytest.raises(TransferError, match=words) as info:
+        _single(_Host(tensor), _caches())  # type: ignore[arg-type]
+    assert info.value.field == "host"
+
+
+def test_a_strided_int8_host_view_is_written_in_place_padding_and_other_ranks_untouched() -> None:
+    # vLLM's shared region: rows of 512 bytes, rank 1's cell of 192 bytes at 192
+    rows = torch.randint(-128, 128, (64, 512), dtype=torch.int8)
+    before = rows.clone()
+    caches = _caches()
+    transfer = _single(_Host(rows[:, 192:384]), caches)  # type: ignore[arg-type]
+    transfer.submit_store(TransferJob(JobId(1), STORE, [7, 3], [5, 6, 1, 2]))
+    _drain(transfer, [1])
+    mine = rows[:, 192:384].view(torch.uint8)
+    assert torch.equal(mine[7].view(2, 2, 48), torch.stack([caches[0][5:7], caches[1][5:7]]))
+    assert torch.equal(mine[3].view(2, 2, 48), torch.stack([caches[0][1:3], caches[1][1:3]]))
+    changed = (rows != before).any(dim=0).nonzero().flatten()
+    assert int(changed.min()) >= 192
+    assert int(changed.max()) < 384
+    assert torch.equal(rows[[0, 1, 2, 4, 5, 6, 8]], before[[0, 1, 2, 4, 5, 6, 8]])
+    transfer.close()
 
 
 @pytest.mark.parametrize("staging_slots", [1, 2, 64])

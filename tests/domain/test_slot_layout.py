@@ -26,10 +26,50 @@ def test_regions_follow_registration_order_and_slot_spans_every_tensor() -> None
     assert layout.num_groups == 2
 
 
+def test_a_tensor_shared_by_groups_has_one_region_each_group_fills_in_its_own_slots() -> None:
+    # tensor 1 holds blocks of groups 0 and 1 (both 2 blocks per chunk); tensor 2 only group 1
+    layout = SlotLayout(
+        page_bytes=[8, 16, 4], tensor_groups=[0, (0, 1), [1]], blocks_per_chunk=[2, 2]
+    )
+    assert layout.tensor_groups == ((0,), (0, 1), (1,))
+    assert layout.region_offsets == (0, 16, 48)
+    assert layout.slot_bytes == 16 + 32 + 8
+    assert layout.group_tensors == ((0, 1), (1, 2))
+    job = TransferJob(
+        JobId(1), STORE, slots=[3, 5], block_ids=[7, 7], group_sizes=[1, 1], block_indices=[1, 0]
+    )
+    runs = layout.plan(job, num_slots=8, num_blocks=[10, 10])
+    # group 0, position 1 of slot 3: tensors 0 and 1; group 1, position 0 of slot 5: 1 and 2
+    assert [tuple(r) for r in layout.byte_ranges(runs, job.slots)] == [
+        (8, 3 * 56 + 8, 8),
+        (32, 3 * 56 + 32, 16),
+        (56 + 16, 5 * 56 + 16, 16),
+        (56 + 48, 5 * 56 + 48, 4),
+    ]
+
+
+def test_one_group_as_an_int_or_a_sequence_is_the_same_layout() -> None:
+    assert SlotLayout([8, 4], [0, 1], [1, 2]) == SlotLayout([8, 4], [(0,), [1]], [1, 2])
+
+
 @pytest.mark.parametrize(
     ("kwargs", "field", "words"),
     [
         ({"page_bytes": []}, "kv_caches", "no KV cache tensor"),
+        ({"tensor_groups": [0, ()]}, "tensor_groups", "tensor 1 belongs to no group"),
+        (
+            {"tensor_groups": [0, (1, 1)]},
+            "tensor_groups",
+            r"tensor 1 names a group twice: \[1, 1\]",
+        ),
+        ({"tensor_groups": [0, (1, "x")]}, "tensor_groups", "tensor 1: group 'x' is not an int"),
+        ({"tensor_groups": [(0, 1, 2), 1]}, "tensor_groups", "tensor 0: group 2 outside 0..1"),
+        (
+            {"tensor_groups": [0, (0, 1)], "blocks_per_chunk": [1, 3]},
+            "tensor_groups",
+            r"tensor 1 is shared by groups \[0, 1\] whose blocks_per_chunk differ "
+            r"\(group 0: 1, group 1: 3\)",
+        ),
         ({"tensor_groups": [0]}, "tensor_groups", "1 entries for 2 tensors"),
         ({"blocks_per_chunk": []}, "blocks_per_chunk", "no KV group"),
         ({"page_bytes": [8, 0]}, "page_bytes", "entry 1 is 0"),
@@ -96,6 +136,21 @@ def test_jobs_that_do_not_fit_name_job_and_field(
     assert str(info.value).startswith(f"transfer job 7: {field}: ")
 
 
+def test_a_load_refuses_one_block_in_two_groups_that_share_a_tensor() -> None:
+    layout = SlotLayout(page_bytes=[8, 8, 8], tensor_groups=[0, (0, 1), 1], blocks_per_chunk=[1, 1])
+    apart = SlotLayout(page_bytes=[8, 8], tensor_groups=[0, 1], blocks_per_chunk=[1, 1])
+    args = {"slots": [0, 1], "block_ids": [4, 4], "group_sizes": [1, 1]}
+    load = TransferJob(JobId(3), LOAD, **args)  # type: ignore[arg-type]
+    with pytest.raises(TransferError, match=r"groups \[0, 1\] share a tensor") as info:
+        layout.plan(load, num_slots=4, num_blocks=[8, 8])
+    assert (info.value.job_id, info.value.field) == (3, "block_ids")
+    assert len(apart.plan(load, num_slots=4, num_blocks=[8, 8])) == 2  # separate tensors
+    store = TransferJob(JobId(4), STORE, **args)  # type: ignore[arg-type]
+    assert len(layout.plan(store, num_slots=4, num_blocks=[8, 8])) == 2  # reading twice is fine
+    fine = TransferJob(JobId(5), LOAD, slots=[0, 1], block_ids=[4, 5], group_sizes=[1, 1])
+    assert len(layout.plan(fine, num_slots=4, num_blocks=[8, 8])) == 2
+
+
 def test_a_load_may_read_one_slot_twice_and_a_store_may_read_one_block_twice() -> None:
     load = _job(LOAD, slots=[0, 1, 0])
     assert len(LAYOUT.plan(load, num_slots=8, num_blocks=[10, 10])) == 2
@@ -115,27 +170,43 @@ def test_ranges_are_exact_for_skipped_and_partial_chunks() -> None:
 
 
 @settings(max_examples=300, deadline=None)
-@given(data=st.data(), spec=layouts(), kind=st.sampled_from([STORE, LOAD]))
+@given(
+    data=st.data(),
+    spec=layouts(),
+    kind=st.sampled_from([STORE, LOAD]),
+    padding=st.sampled_from([None, 0, 1, 24]),
+)
 def test_byte_ranges_touch_exactly_the_oracle_bytes(
-    data: st.DataObject, spec: Layout, kind: TransferKind
+    data: st.DataObject, spec: Layout, kind: TransferKind, padding: int | None
 ) -> None:
     layout = _layout(spec)
     assert layout.slot_bytes == spec.slot_bytes
     assert list(layout.region_offsets) == spec.offsets
+    for t in range(len(spec.page_bytes)):
+        assert layout.tensor_groups[t] == spec.groups(t)
     num_slots = 40
-    job = data.draw(jobs(spec, num_slots, kind))
+    job = data.draw(jobs(spec, num_slots, kind, ordered=data.draw(st.booleans())))
     runs = layout.plan(job, num_slots=num_slots, num_blocks=spec.num_blocks)
-    expected = {b for w in placements(spec, job) for b in range(w.host, w.host + w.length)}
+    stride = layout.slot_bytes + (padding or 0)  # None: the default stride
+    writes = placements(spec, job, slot_stride=stride)
+    expected = {b for w in writes for b in range(w.host, w.host + w.length)}
     max_chunks = data.draw(st.integers(1, 6))
     touched: list[int] = []
     for batch in layout.batches(runs, max_chunks):
         assert sum(r.num_chunks for r in batch) <= max_chunks
         first = batch[0].slot_pos
-        for r in layout.byte_ranges(batch, job.slots):
+        ranges = (
+            layout.byte_ranges(batch, job.slots)
+            if padding is None
+            else layout.byte_ranges(batch, job.slots, slot_stride=stride)
+        )
+        for r in ranges:
             # a range never crosses from one slot into a non-adjacent one on either side
             row, offset = divmod(r.stage, layout.slot_bytes)
             slot = job.slots[first + row]
-            assert r.host == slot * layout.slot_bytes + offset
+            assert r.host == slot * stride + offset
+            if padding:  # padded rows: a range stays inside its slot's bytes
+                assert offset + r.length <= layout.slot_bytes
             assert r.stage + r.length <= sum(x.num_chunks for x in batch) * layout.slot_bytes
             touched.extend(range(r.host, r.host + r.length))
     assert len(touched) == len(set(touched))  # no byte twice
@@ -162,6 +233,8 @@ def test_batches_keep_blocks_and_slots_consecutive(data: st.DataObject, spec: La
         block_at += run.num_blocks
 
 
-def test_batches_refuse_zero_room() -> None:
+def test_batches_refuse_zero_room_and_byte_ranges_a_stride_below_the_slot() -> None:
     with pytest.raises(ValueError, match="max_chunks"):
         LAYOUT.batches((), 0)
+    with pytest.raises(ValueError, match="slot_stride 47 < slot_bytes 80"):
+        LAYOUT.byte_ranges((), (), slot_stride=47)

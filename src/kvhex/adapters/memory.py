@@ -312,7 +312,7 @@ class MemoryBlockTransfer:
         host: the buffer whose slots jobs name; ``slot_bytes`` must equal the layout's.
         kv_caches: one ``bytearray`` per registered tensor, ``num_blocks * page_bytes`` long.
         page_bytes: bytes per block, per tensor.
-        tensor_groups: the KV group of each tensor.
+        tensor_groups: the KV group of each tensor, or the groups sharing it.
         blocks_per_chunk: blocks per host slot, per group.
 
     The slot layout is ``SlotLayout``'s, as for the torch transfer. Submitted jobs are copied
@@ -330,7 +330,7 @@ class MemoryBlockTransfer:
         kv_caches: Sequence[bytearray],
         *,
         page_bytes: Sequence[int],
-        tensor_groups: Sequence[int],
+        tensor_groups: Sequence[int | Sequence[int]],
         blocks_per_chunk: Sequence[int],
     ) -> None:
         layout = SlotLayout(page_bytes, tensor_groups, blocks_per_chunk)

@@ -7,12 +7,14 @@ Needs the ``torch`` extra (``pip install 'kvhex[torch]'``). See docs/transfers.m
 from kvhex.adapters.torch.host import TorchHostBuffer, shm_path
 from kvhex.adapters.torch.transfer import (
     DEFAULT_STAGING_BYTES,
+    MAX_COPY_THREADS,
     TensorHostBuffer,
     TorchBlockTransfer,
 )
 
 __all__ = [
     "DEFAULT_STAGING_BYTES",
+    "MAX_COPY_THREADS",
     "TensorHostBuffer",
     "TorchBlockTransfer",
     "TorchHostBuffer",

@@ -1,5 +1,5 @@
-"""The copy scheme shared by CUDA and the CPU: device blocks <-> host slots through a staging
-area on the device laid out exactly like the job's host slots (row ``i`` is its ``i``-th slot).
+"""The CUDA copy scheme: device blocks <-> host slots through a staging area on the device laid
+out exactly like the job's host slots (row ``i`` is its ``i``-th slot).
 
 * store: per registered tensor one ``index_select`` gathers the job's blocks into a dense
   buffer; one strided copy per span of equal neighbouring tensors (typically all layers of a
@@ -10,6 +10,8 @@ area on the device laid out exactly like the job's host slots (row ``i`` is its 
 So a batch costs one device op per tensor, one per span and one per host byte range, never
 one per block; the host side only sees large contiguous copies, which DMA engines are fast
 at. Runs of one chunk skip the dense buffer. Staging is bounded; larger jobs go in batches.
+The code is plain torch and runs on CPU tensors too, which is how it is tested without a GPU;
+``TorchBlockTransfer`` copies CPU tensors with :mod:`kvhex.adapters.torch.direct` instead.
 """
 
 from __future__ import annotations
@@ -61,19 +63,27 @@ class Span:
 
 
 def spans_of(layout: SlotLayout, blocks: list[torch.Tensor]) -> list[list[Span]]:
-    """Per group, its tensors cut into spans (in registration order)."""
-    spans: list[list[Span]] = [[] for _ in range(layout.num_groups)]
-    last: Span | None = None
-    last_group = -1
-    for t, tensor in enumerate(blocks):
-        group = layout.tensor_groups[t]
-        wide, dtype, _ = widest(tensor)
-        page = layout.page_bytes[t]
-        if last is None or group != last_group or page != last.page or dtype != last.dtype:
-            last = Span(layout.region_offsets[t], page, layout.blocks_per_chunk[group], dtype)
-            spans[group].append(last)
-            last_group = group
-        last.add(wide)
+    """Per group, its tensors cut into spans: neighbours in the group's order with one page
+    size and dtype whose regions follow each other in a slot."""
+    spans: list[list[Span]] = []
+    for group, members in enumerate(layout.group_tensors):
+        per_chunk = layout.blocks_per_chunk[group]
+        cut: list[Span] = []
+        for t in members:
+            wide, dtype, _ = widest(blocks[t])
+            page = layout.page_bytes[t]
+            offset = layout.region_offsets[t]
+            last = cut[-1] if cut else None
+            if (
+                last is None
+                or page != last.page
+                or dtype != last.dtype
+                or offset != last.offset + last.count * last.chunk_bytes
+            ):
+                last = Span(offset, page, per_chunk, dtype)
+                cut.append(last)
+            last.add(wide)
+        spans.append(cut)
     return spans
 
 
@@ -107,7 +117,11 @@ class Staging:
 
 class StagedCopier:
     """The copy code for one registered layout: device byte views of every tensor, the host
-    buffer's flat tensor, and how many slots one staging batch holds."""
+    buffer's bytes as one flat tensor (slot ``s`` at ``s * row stride``), and how many slots
+    one staging batch holds.
+
+    ``host`` is a uint8 CPU tensor ``[num_slots, slot_bytes]`` whose rows are contiguous and
+    ``stride(0) >= slot_bytes`` apart (padding between rows is never touched)."""
 
     def __init__(
         self,
@@ -119,7 +133,10 @@ class StagedCopier:
     ) -> None:
         self.layout = layout
         self._spans = spans_of(layout, blocks)
-        self._host = host.view(-1)
+        num_slots = host.shape[0]
+        self._row_stride = host.stride(0) if num_slots > 1 else layout.slot_bytes
+        extent = (num_slots - 1) * self._row_stride + layout.slot_bytes
+        self._host = host.as_strided((extent,), (1,), host.storage_offset())
         self._device = blocks[0].device
         self._cuda = self._device.type == "cuda"
         self.max_chunks = max(1, staging_bytes // layout.slot_bytes)
@@ -151,7 +168,7 @@ class StagedCopier:
             first_block = batch[0].block_pos
             ids = job.block_ids[first_block : batch[-1].block_pos + batch[-1].num_blocks]
             index = self._index(ids)
-            ranges = layout.byte_ranges(batch, job.slots)
+            ranges = layout.byte_ranges(batch, job.slots, slot_stride=self._row_stride)
             if not store:
                 for r in ranges:
                     stage[r.stage : r.stage + r.length].copy_(
