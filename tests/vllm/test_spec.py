@@ -115,11 +115,8 @@ def test_events_stay_off_when_vllm_events_are_off(managers: list[Any]) -> None:
     assert list(manager.take_events()) == []
 
 
-def test_promotions_wait_after_a_reset_until_vllm_reports_the_flush(
-    tmp_path: Path, managers: list[Any]
-) -> None:
-    """As vLLM's tiering manager: a late device copy may still write freed host slots."""
-    from vllm.v1.kv_offload.base import LookupResult, ReqContext, ScheduleEndContext
+def _reset_with_a_copy_in_flight(tmp_path: Path, managers: list[Any], busy: bool) -> Any:
+    from vllm.v1.kv_offload.base import ReqContext, ScheduleEndContext
 
     from tests.vllm.helpers import key
 
@@ -135,9 +132,44 @@ def test_promotions_wait_after_a_reset_until_vllm_reports_the_flush(
     manager.complete_store([key(1)], ctx)
     while manager.has_pending_work():
         manager.on_schedule_end(ScheduleEndContext((), ()))
+    if busy:  # a device -> host copy the workers have not reported yet
+        assert manager.prepare_store([key(2)], ctx) is not None
     manager.reset_cache()
+    return manager, ctx
+
+
+def test_promotions_wait_after_a_reset_until_vllm_reports_the_flush(
+    tmp_path: Path, managers: list[Any]
+) -> None:
+    """As vLLM's tiering manager: a late device copy may still write freed host slots. vLLM
+    0.33 says when its workers reported every flushed job; vLLM 0.32 never does, so kvhex
+    waits for the second schedule end."""
+    from vllm.v1.kv_offload.base import LookupResult, ScheduleEndContext
+
+    from kvhex.adapters.vllm.compat import RESET_FLUSH_STEPS, SIGNALS_RESET_FLUSHED
+    from tests.vllm.helpers import key
+
+    manager, ctx = _reset_with_a_copy_in_flight(tmp_path, managers, busy=True)
     assert manager.lookup(key(1), ctx) is LookupResult.MISS  # held: host tier only
-    manager.on_schedule_end(ScheduleEndContext((), ()))
-    assert manager.lookup(key(1), ctx) is LookupResult.MISS
-    manager.on_reset_flushed()
+    if SIGNALS_RESET_FLUSHED:
+        for _ in range(5):
+            manager.on_schedule_end(ScheduleEndContext((), ()))
+            assert manager.lookup(key(1), ctx) is LookupResult.MISS
+        manager.on_reset_flushed()
+    else:
+        for _ in range(RESET_FLUSH_STEPS - 1):
+            manager.on_schedule_end(ScheduleEndContext((), ()))
+            assert manager.lookup(key(1), ctx) is LookupResult.MISS
+        manager.on_schedule_end(ScheduleEndContext((), ()))
     assert manager.lookup(key(1), ctx) is LookupResult.RETRY  # the file tier is asked again
+
+
+def test_promotions_go_on_after_a_reset_with_no_copy_in_flight(
+    tmp_path: Path, managers: list[Any]
+) -> None:
+    from vllm.v1.kv_offload.base import LookupResult
+
+    from tests.vllm.helpers import key
+
+    manager, ctx = _reset_with_a_copy_in_flight(tmp_path, managers, busy=False)
+    assert manager.lookup(key(1), ctx) is LookupResult.RETRY

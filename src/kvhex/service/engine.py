@@ -9,13 +9,14 @@ is a thin translation. It owns the lifecycle: after ``shutdown`` every call rais
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
-from kvhex.domain.events import PublicEvent
+from kvhex.domain.events import PublicEvent, TierEvent
+from kvhex.domain.geometry import KvGeometry
 from kvhex.domain.keys import OffloadKey
 from kvhex.domain.primary import StorePlan
 from kvhex.domain.request import ReqContext
-from kvhex.domain.tiers import LookupResult, OffloadPolicy
+from kvhex.domain.tiers import LookupResult, OffloadPolicy, TierIdentity
 from kvhex.errors import StateError
 from kvhex.service.events import EventPipeline
 from kvhex.service.tiering import TieringManager, TieringStats
@@ -26,7 +27,7 @@ __all__ = ["OffloadEngine"]
 class OffloadEngine:
     """What an engine talks to: a tiering manager behind vLLM's manager contract."""
 
-    __slots__ = ("_closed", "_manager", "_pipeline")
+    __slots__ = ("_closed", "_has_tiers", "_manager", "_pipeline")
 
     def __init__(self, manager: TieringManager, pipeline: EventPipeline | None = None) -> None:
         """Args:
@@ -37,15 +38,22 @@ class OffloadEngine:
         self._manager = manager
         self._pipeline = pipeline or EventPipeline()
         self._closed = False
+        self._has_tiers = bool(manager.stats().tiers)  # the tiers are fixed at construction
 
     def _live(self, operation: str) -> TieringManager:
         if self._closed:
             raise StateError(operation, b"", "refused: the engine was shut down")
         return self._manager
 
-    def lookup(self, key: OffloadKey, ctx: ReqContext) -> LookupResult:
-        """Is the chunk offloaded and readable? See ``TieringManager.lookup``."""
-        return self._live("lookup").lookup(key, ctx)
+    def lookup(self, key: OffloadKey, ctx: ReqContext, *, promote: bool = True) -> LookupResult:
+        """Is the chunk offloaded and readable? See ``TieringManager.lookup``. With
+        ``promote=False`` only host memory answers (no promotion starts): for an engine
+        that must keep host slots free of new writes for a while (after a reset, until its
+        workers confirmed that no late device copy still writes them)."""
+        manager = self._live("lookup")
+        if promote:
+            return manager.lookup(key, ctx)
+        return manager.primary.lookup(key)
 
     def prepare_load(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> list[int]:
         """Pin the host slots of ``keys`` (answered ``HIT``) for a device load."""
@@ -81,11 +89,30 @@ class OffloadEngine:
         """Once per scheduler step."""
         self._live("on_schedule_end").on_schedule_end()
 
-    def take_events(self) -> list[PublicEvent]:
+    def take_events(self, exclude: Collection[TierIdentity] = ()) -> list[PublicEvent]:
         """This step's public events (primary tier first, then each tier in order), with
         full provenance where the storing request's context resolves them; also published
-        as one batch to the pipeline's sinks."""
-        return self._pipeline.process(self._live("take_events").take_events())
+        as one batch to the pipeline's sinks. Events of the tiers in ``exclude`` are
+        dropped (tiers configured silent)."""
+        return self._pipeline.process(self.take_raw_events(exclude))
+
+    def take_raw_events(self, exclude: Collection[TierIdentity] = ()) -> list[TierEvent]:
+        """This step's raw tier events, untranslated and unpublished, for a host engine that
+        translates them itself (vLLM's own events tracker); ``exclude`` as for
+        ``take_events``. Either this or ``take_events`` drains a step's events, not both."""
+        raw = self._live("take_events").take_events()
+        if exclude:
+            raw = [event for event in raw if event.tier not in exclude]
+        return raw
+
+    def set_geometry(self, geometry: KvGeometry | None) -> None:
+        """Describe full events with ``geometry`` (the model's KV groups) from now on."""
+        self._pipeline.translator.geometry = geometry
+
+    @property
+    def has_secondary_tiers(self) -> bool:
+        """Whether any tier lies behind host memory."""
+        return self._has_tiers
 
     def has_pending_work(self) -> bool:
         """Keep the engine stepping while True. False once shut down."""

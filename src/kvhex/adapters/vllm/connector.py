@@ -27,6 +27,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import (
     OffloadingConnector,
 )
 
+from kvhex.adapters.vllm.compat import manager_lock, quiet_events_tracker
 from kvhex.adapters.vllm.manager import KvhexOffloadingManager
 from kvhex.domain.geometry import CacheKind, KvGeometry, KvGroup
 
@@ -70,6 +71,9 @@ class KvhexOffloadingConnector(OffloadingConnector):
             self._kvhex.bind_geometry(
                 geometry_of_groups(config.kv_group_configs, config.tokens_per_hash)
             )
+            # kvhex publishes its own events: vLLM's tracker must not snapshot payloads
+            # that nothing would ever drop
+            quiet_events_tracker(scheduler)
 
     def on_new_request(self, request: Any) -> None:
         if self._kvhex is None:
@@ -82,5 +86,5 @@ class KvhexOffloadingConnector(OffloadingConnector):
         if self._kvhex is None:
             events: Iterable[KVCacheEvent] = super().take_events()
             return events
-        with self._kvhex.lock:
+        with manager_lock(self._kvhex):
             return self._kvhex.take_kv_events()

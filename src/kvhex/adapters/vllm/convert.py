@@ -1,4 +1,5 @@
-"""Translations between vLLM 0.33's offloading types and kvhex's, in one place.
+"""Translations between vLLM's offloading types and kvhex's, in one place (the version
+differences they meet are :mod:`kvhex.adapters.vllm.compat`'s).
 
 * Request contexts: vLLM's ``ReqContext`` (a dataclass, not hashable, per request) carries
   kvhex's ``ReqContext`` in its per-request state (``set_state``), created on first sight.
@@ -19,6 +20,7 @@ import structlog
 from vllm.distributed import kv_events as vev
 from vllm.v1.kv_offload import base as vbase
 
+from kvhex.adapters.vllm.compat import block_stored
 from kvhex.domain import events as kev
 from kvhex.domain.geometry import KvGeometry
 from kvhex.domain.provenance import MmFeature, Provenance
@@ -172,7 +174,7 @@ def vllm_events(events: Iterable[kev.PublicEvent]) -> list[vev.KVCacheEvent]:
     out: list[vev.KVCacheEvent] = []
     for event in events:
         if isinstance(event, kev.BlockStored):
-            out.append(vev.BlockStored(*event))
+            out.append(block_stored(event))
         elif isinstance(event, kev.BlockRemoved):
             out.append(vev.BlockRemoved(*event))
         else:

@@ -18,13 +18,19 @@ Events leave in one of two forms:
 A tier whose entry did not set ``enable_kv_events`` stays silent, and nothing is announced
 when vLLM's KV events are off, as in vLLM.
 
+After a reset no promotion may write host slots that a late device copy of a job flushed by
+the reset could still write: when device copies were in flight at the reset (host slots
+write-pending or pinned), lookups answer from host memory alone until vLLM 0.33 calls
+``on_reset_flushed``, or on vLLM 0.32 (which never does) until the second schedule end after
+the reset (``compat.RESET_FLUSH_STEPS`` says why that is late enough).
+
 Threading: scheduler thread only (kvhex runs no tier-poll thread), so ``lock`` is vLLM's
-default no-op.
+default no-op (vLLM 0.32 has none).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Iterable, Iterator
+from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -32,6 +38,7 @@ from vllm.distributed import kv_events as vev
 from vllm.v1.kv_offload import base as vbase
 from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
 
+from kvhex.adapters.vllm.compat import RESET_FLUSH_STEPS, SIGNALS_RESET_FLUSHED
 from kvhex.adapters.vllm.convert import (
     LOOKUP,
     context_of,
@@ -40,11 +47,11 @@ from kvhex.adapters.vllm.convert import (
     provenance_of,
     vllm_events,
 )
-from kvhex.domain.events import TierEvent
 from kvhex.domain.geometry import KvGeometry
 from kvhex.domain.keys import OffloadKey
 from kvhex.domain.request import ReqContext
 from kvhex.domain.tiers import TierIdentity
+from kvhex.ports.tier_store import TierStore
 from kvhex.service.engine import OffloadEngine
 from kvhex.service.tiering import TieringStats
 
@@ -62,6 +69,7 @@ class KvhexOffloadingManager(vbase.OffloadingManager):
         silent_tiers: Collection[TierIdentity] = (),
         geometry: KvGeometry | None = None,
         on_shutdown: Callable[[], None] | None = None,
+        tier_stores: Sequence[TierStore] = (),
     ) -> None:
         """Args:
         engine: the kvhex engine (host primary tier, secondary tiers, event pipeline).
@@ -71,24 +79,33 @@ class KvhexOffloadingManager(vbase.OffloadingManager):
             ``enable_kv_events``).
         geometry: the model's KV groups, for full events (see ``incoming``).
         on_shutdown: called after the engine shut down (releases vLLM's region).
+        tier_stores: the engine's secondary tiers, in order (for operators and tests).
         """
         self._engine = engine
         self._events_enabled = events_enabled
         self._silent = frozenset(silent_tiers)
         self._geometry = geometry
         self._on_shutdown = on_shutdown
+        self._tier_stores = tuple(tier_stores)
         self._shut = False
         self._incoming: Any = None
         # after a reset, until vLLM's workers reported every job in flight at the reset, no
         # promotion may write into host slots a late device copy could still write (vLLM's
-        # tiering manager holds promotions the same way)
+        # tiering manager holds promotions the same way); on vLLM 0.32 the number of
+        # schedule ends still to wait for, there being no flush signal
         self._promotions_held = False
+        self._held_steps = 0
 
     # -- kvhex-side access ---------------------------------------------------------------
     @property
     def engine(self) -> OffloadEngine:
         """The kvhex engine behind this manager."""
         return self._engine
+
+    @property
+    def tier_stores(self) -> tuple[TierStore, ...]:
+        """The secondary tiers behind host memory, in lookup order."""
+        return self._tier_stores
 
     @property
     def geometry(self) -> KvGeometry | None:
@@ -98,7 +115,7 @@ class KvhexOffloadingManager(vbase.OffloadingManager):
     def bind_geometry(self, geometry: KvGeometry) -> None:
         """Use ``geometry`` (the scheduler's exact group kinds) from now on."""
         self._geometry = geometry
-        self._engine.pipeline.translator.geometry = geometry
+        self._engine.set_geometry(geometry)
 
     @contextmanager
     def incoming(self, request: Any) -> Iterator[None]:
@@ -117,9 +134,8 @@ class KvhexOffloadingManager(vbase.OffloadingManager):
 
     # -- OffloadingManager ---------------------------------------------------------------
     def lookup(self, key: OffloadKey, req_context: vbase.ReqContext) -> vbase.LookupResult:
-        if self._promotions_held:
-            return LOOKUP[self._engine.manager.primary.lookup(key)]
-        return LOOKUP[self._engine.lookup(key, self._ctx(req_context))]
+        ctx = self._ctx(req_context)
+        return LOOKUP[self._engine.lookup(key, ctx, promote=not self._promotions_held)]
 
     def get_load_source(self, key: OffloadKey, req_context: vbase.ReqContext) -> Any:
         from vllm.v1.metrics.cache_hit_source import CacheHitSource
@@ -173,6 +189,9 @@ class KvhexOffloadingManager(vbase.OffloadingManager):
 
     def on_schedule_end(self, context: vbase.ScheduleEndContext) -> None:
         self._engine.on_schedule_end()
+        if self._held_steps:
+            self._held_steps -= 1
+            self._promotions_held = self._held_steps > 0
 
     def has_pending_work(self) -> bool:
         return self._engine.has_pending_work()
@@ -180,18 +199,31 @@ class KvhexOffloadingManager(vbase.OffloadingManager):
     def take_events(self) -> Iterable[vbase.OffloadingEvent]:
         """This step's raw events as vLLM ``OffloadingEvent``s, in kvhex's order (host tier
         first, then each tier); for vLLM's own events tracker."""
-        return offloading_events(self._raw_events())
+        raw = self._engine.take_raw_events(self._silent)
+        return offloading_events(raw) if self._events_enabled else []
 
     def take_kv_events(self) -> list[vev.KVCacheEvent]:
         """This step's events translated by kvhex (full provenance), as vLLM's structs."""
-        return vllm_events(self._engine.pipeline.process(self._raw_events()))
+        if not self._events_enabled:
+            self._engine.take_raw_events()  # drained: nothing is announced
+            return []
+        return vllm_events(self._engine.take_events(self._silent))
 
     def reset_cache(self) -> None:
+        # only device copies in flight (host slots write-pending or pinned) can still write
+        # after the reset; with none, promotions go on at once
+        host = self._engine.stats().primary
+        in_flight = host.pending + host.pinned > 0
         self._engine.reset()
-        self._promotions_held = bool(self._engine.stats().tiers)
+        self._promotions_held = in_flight and self._engine.has_secondary_tiers
+        self._held_steps = 0
+        if self._promotions_held and not SIGNALS_RESET_FLUSHED:
+            self._held_steps = RESET_FLUSH_STEPS
 
     def on_reset_flushed(self) -> None:
+        """vLLM 0.33: every job in flight at the last reset was reported."""
         self._promotions_held = False
+        self._held_steps = 0
 
     def shutdown(self) -> None:
         if self._shut:
@@ -207,11 +239,3 @@ class KvhexOffloadingManager(vbase.OffloadingManager):
         if ctx is None:
             ctx, _ = context_of(vctx)
         return ctx
-
-    def _raw_events(self) -> list[TierEvent]:
-        raw = self._engine.manager.take_events()
-        if not self._events_enabled:
-            return []
-        if self._silent:
-            raw = [e for e in raw if e.tier not in self._silent]
-        return raw

@@ -10,10 +10,11 @@ Scheduler side (``get_manager``): the host primary tier lives in vLLM's shared o
 (the same ``/dev/shm`` mapping, layout and capacity arithmetic as vLLM's tiering spec), kvhex
 tiers read and write it through slot views, and ``KvhexOffloadingManager`` drives it all.
 
-Worker side (``get_worker``): vLLM's own ``CPUOffloadingWorker`` on that region, exactly as
-``TieringOffloadingSpec`` builds it (docs/vllm.md says why: the region's per-rank row layout
-under tensor parallelism, canonical and replicated layouts, pinning and its DMA/Triton copy
-kernels are vLLM's, and the worker must write the bytes where kvhex's tiers read them).
+Worker side (``get_worker``): on CUDA-alike and XPU platforms, vLLM's own
+``CPUOffloadingWorker`` on that region, exactly as ``TieringOffloadingSpec`` builds it
+(docs/vllm.md says why: its pinning and DMA/Triton copy kernels, canonical layout). On vLLM's
+CPU platform, where vLLM's worker refuses to run, kvhex's ``KvhexCpuOffloadingWorker`` on the
+same region and in the same layout (``kvhex.adapters.vllm.worker``).
 """
 
 from __future__ import annotations
@@ -21,12 +22,18 @@ from __future__ import annotations
 from typing import Any
 
 import structlog
-from vllm.v1.kv_offload.base import OffloadingManager, OffloadingMetricMetadata
+from vllm.v1.kv_offload.base import (
+    CanonicalKVCaches,
+    OffloadingManager,
+    OffloadingMetricMetadata,
+    OffloadingWorker,
+)
 from vllm.v1.kv_offload.config import OffloadingConfig
 from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
 from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
 from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
 
+from kvhex.adapters.vllm.compat import sliding_window_chunks
 from kvhex.adapters.vllm.compose import RegionHostBuffer, build_engine
 from kvhex.adapters.vllm.manager import KvhexOffloadingManager
 from kvhex.adapters.vllm.settings import SOURCE, VllmSettings, parse_settings
@@ -41,7 +48,9 @@ log = structlog.get_logger(__name__)
 
 def geometry_of(config: OffloadingConfig) -> KvGeometry | None:
     """The KV groups as far as the offloading config tells: full attention when a group has
-    no sliding window, else ``UNKNOWN`` (placeholders) until the connector names the kind."""
+    no sliding window, else ``UNKNOWN`` (placeholders) until the connector names the kind.
+    vLLM 0.32's config does not say (``compat.sliding_window_chunks``): every group is
+    ``UNKNOWN`` there until the connector binds the scheduler's exact kinds."""
     try:
         return KvGeometry(
             tuple(
@@ -50,7 +59,7 @@ def geometry_of(config: OffloadingConfig) -> KvGeometry | None:
                     group.tokens_per_block,
                     config.cache.blocks_per_chunk,
                     CacheKind.FULL_ATTENTION
-                    if group.sliding_window_size_in_chunks is None
+                    if sliding_window_chunks(group) is None
                     else CacheKind.UNKNOWN,
                 )
                 for group in config.groups
@@ -107,6 +116,59 @@ class KvhexOffloadingSpec(TieringOffloadingSpec):
         self.settings: VllmSettings = parse_settings(config.extra_config)
         super().__init__(config)
         self._kvhex_manager: KvhexOffloadingManager | None = None
+        self._kvhex_worker: OffloadingWorker | None = None
+
+    def get_worker(self, kv_caches: CanonicalKVCaches) -> OffloadingWorker:
+        """vLLM's worker on CUDA-alike and XPU platforms; kvhex's CPU worker on vLLM's CPU
+        platform (built once).
+
+        Raises:
+            ConfigError: ``canonical_layout`` on the CPU platform (kvhex's CPU worker writes
+                the direct, per-rank layout only).
+            TransferError: the KV tensors do not fit the region's cells.
+        """
+        from vllm.platforms import current_platform
+
+        if not current_platform.is_cpu():
+            worker: OffloadingWorker = super().get_worker(kv_caches)
+            return worker
+        if self._kvhex_worker is None:
+            self._kvhex_worker = self._build_cpu_worker(kv_caches)
+        return self._kvhex_worker
+
+    def _build_cpu_worker(self, kv_caches: CanonicalKVCaches) -> OffloadingWorker:
+        from kvhex.adapters.vllm.worker import KvhexCpuOffloadingWorker
+
+        if self.config.canonical_layout:
+            raise ConfigError(
+                [
+                    (
+                        "$.canonical_layout",
+                        "not supported on vLLM's CPU platform: kvhex's CPU worker writes "
+                        "the direct per-rank layout (remove the key)",
+                    )
+                ],
+                SOURCE,
+            )
+        rank = 0 if self.replicated_layout else self.config.parallel.rank
+        region = SharedOffloadRegion(
+            engine_id=self.config.engine_id,
+            num_chunks=self.num_chunks,
+            rank=rank,
+            kv_bytes_per_chunk=self.kv_bytes_per_chunk,
+            cpu_page_size=self.cpu_page_size_per_worker,
+        )
+        try:
+            cells = region.create_next_worker_view(self.cpu_page_size_per_worker)
+            return KvhexCpuOffloadingWorker(
+                kv_caches,
+                blocks_per_chunk=self.blocks_per_chunk,
+                cells=cells,
+                release=region.cleanup,
+            )
+        except BaseException:
+            region.cleanup()
+            raise
 
     def get_manager(self) -> OffloadingManager:
         """The scheduler-side manager (built once).
@@ -172,5 +234,9 @@ class KvhexOffloadingSpec(TieringOffloadingSpec):
             tiers=[t.name for t in self.settings.tiers],
         )
         return KvhexOffloadingManager(
-            engine, events_enabled=events, silent_tiers=silent, geometry=geometry
+            engine,
+            events_enabled=events,
+            silent_tiers=silent,
+            geometry=geometry,
+            tier_stores=stores,
         )
