@@ -16,6 +16,8 @@ median of the per-pass ratios (each pass against the raw pass right after it).
     python bench/gpu_transfer.py                      # CUDA when available, else the CPU
     python bench/gpu_transfer.py --device cpu --total-mib 256
     python bench/gpu_transfer.py --quick --json   # tiny sizes; rows as JSON (see _report.py)
+    .venv-vllm32/bin/python bench/gpu_transfer.py --device cpu --vllm-worker
+                           # through kvhex's vLLM CPU worker (vLLM's specs and results)
 
 A plain script, never a timed test. Buffers are touched once before timing (page faults).
 """
@@ -27,6 +29,7 @@ import random
 import statistics
 import time
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -92,12 +95,27 @@ class KvhexRun:
         self.caches = _kv_caches(args.layers, num_blocks, page, device, separate=args.separate)
         self.host = TorchHostBuffer(self.num_slots, self.slot_bytes)
         self.host.tensor.fill_(1)
-        self.transfer = TorchBlockTransfer(
-            self.host,
-            self.caches,
-            tensor_groups=[0] * args.layers,
-            blocks_per_chunk=[self.per_chunk],
-        )
+        self.worker: Any = None
+        if args.vllm_worker:  # the same copies through vLLM's worker API
+            from vllm.v1.kv_offload import base as vbase
+
+            from kvhex.adapters.vllm.worker import KvhexCpuOffloadingWorker
+
+            canonical = vbase.CanonicalKVCaches(
+                [vbase.CanonicalKVCacheTensor(c, page) for c in self.caches],
+                [[vbase.CanonicalKVCacheRef(t, page) for t in range(args.layers)]],
+            )
+            self.worker = KvhexCpuOffloadingWorker(
+                canonical, blocks_per_chunk=self.per_chunk, cells=self.host.tensor
+            )
+            self.transfer = self.worker.transfer
+        else:
+            self.transfer = TorchBlockTransfer(
+                self.host,
+                self.caches,
+                tensor_groups=[0] * args.layers,
+                blocks_per_chunk=[self.per_chunk],
+            )
         rng = random.Random(7)
         slots = list(range(self.num_slots))
         blocks = list(range(num_blocks))
@@ -112,6 +130,9 @@ class KvhexRun:
         self.nbytes = self.num_slots * self.slot_bytes
 
     def _run(self, kind: TransferKind) -> None:
+        if self.worker is not None:
+            self._run_worker(kind)
+            return
         store = kind is TransferKind.STORE
         submit = self.transfer.submit_store if store else self.transfer.submit_load
         ids = []
@@ -124,6 +145,24 @@ class KvhexRun:
         results = self.transfer.poll()
         assert len(results) == len(ids)
         assert all(r.success for r in results), [r.error for r in results if not r.success]
+
+    def _run_worker(self, kind: TransferKind) -> None:
+        from vllm.v1.kv_offload.base import GPULoadStoreSpec
+        from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
+
+        ids = set()
+        for slots, blocks in self.plans:
+            device = GPULoadStoreSpec(blocks, [len(blocks)], [0])
+            if kind is TransferKind.STORE:
+                self.worker.submit_store(self.next_id, device, CPULoadStoreSpec(slots))
+            else:
+                self.worker.submit_load(self.next_id, CPULoadStoreSpec(slots), device)
+            ids.add(self.next_id)
+            self.next_id += 1
+        self.worker.wait(ids)
+        results = self.worker.get_finished()
+        assert len(results) == len(ids)
+        assert all(r.success for r in results)
 
     def store(self) -> None:
         self._run(TransferKind.STORE)
@@ -142,7 +181,10 @@ class KvhexRun:
             assert torch.equal(region, want), f"layer {layer} bytes differ"
 
     def close(self) -> None:
-        self.transfer.close()
+        if self.worker is not None:
+            self.worker.shutdown()
+        else:
+            self.transfer.close()
         self.host.close()
 
 
@@ -185,6 +227,12 @@ def main() -> None:
     parser.add_argument(
         "--separate", action="store_true", help="one allocation per layer's KV tensor"
     )
+    parser.add_argument(
+        "--vllm-worker",
+        action="store_true",
+        help="CPU only, needs vLLM: go through kvhex's vLLM CPU offloading worker "
+        "(vLLM's OffloadingWorker API and specs) instead of TorchBlockTransfer directly",
+    )
     parser.add_argument("--chunks-per-job", type=int, default=16)
     parser.add_argument("--total-mib", type=int, default=None, help="bytes per pass")
     parser.add_argument("--repeats", type=int, default=5)
@@ -195,6 +243,8 @@ def main() -> None:
         args.total_mib = 2048 if device.type == "cuda" else 256
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     allocation = "one allocation per layer" if args.separate else "one layer-major backing"
+    if args.vllm_worker:
+        allocation += ", through kvhex's vLLM CPU worker"
     report.say(
         f"device {name}, {args.layers} layers ({allocation}), "
         f"{args.chunks_per_job} chunks per job, {args.total_mib} MiB per pass, "

@@ -82,6 +82,31 @@ def tiny_model(path: Path) -> Path:
     return path
 
 
+def hybrid_model(path: Path) -> Path:
+    """A random-weight Gemma 2 (2 layers: one sliding-window of 64 tokens, one full
+    attention; head 32, bf16, seed 0): two KV-cache groups overlaid on shared KV tensors."""
+    import torch
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    if (path / "config.json").exists():
+        return path
+    torch.manual_seed(0)
+    config = Gemma2Config(
+        num_hidden_layers=2,
+        hidden_size=128,
+        intermediate_size=256,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        vocab_size=1024,
+        max_position_embeddings=2048,
+        sliding_window=64,
+        torch_dtype="bfloat16",
+    )
+    Gemma2ForCausalLM(config).to(torch.bfloat16).save_pretrained(path)
+    return path
+
+
 def kvhex_transfer(extra: dict[str, Any], connector: str = "KvhexOffloadingConnector") -> Any:
     """vLLM's KV transfer config running kvhex's spec with ``extra``."""
     from vllm.config import KVTransferConfig

@@ -252,3 +252,34 @@ def test_no_events_tracker_state_outlives_what_host_memory_holds(
         assert held == 0
     else:
         assert held <= host_chunks
+
+
+def test_an_empty_step_yields_to_the_tiers_only_while_they_work(
+    tmp_path: Path, connectors: list[Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """vLLM steps again at once after a step that scheduled nothing; while kvhex's tiers have
+    jobs in flight that loop would starve their IO threads of the GIL, so such a step sleeps
+    (and only such a step)."""
+    from kvhex.adapters.vllm import connector as module
+
+    naps: list[float] = []
+    monkeypatch.setattr(module.time, "sleep", naps.append)
+    connector = scheduler_connector(
+        tmp_path / "model", _extra(tmp_path / "kv"), "KvhexOffloadingConnector"
+    )
+    connectors.append(connector)
+    driver = Driver(connector)
+    manager = connector.connector_scheduler.manager
+    driver.step()
+    assert naps == []  # nothing in flight
+    req = request("r1", PROMPT)
+    connector.on_new_request(req)
+    hits, _ = connector.get_num_new_matched_tokens(req, 0)
+    assert hits is None  # the file tier is being probed
+    assert manager.has_pending_work()
+    driver.step()  # schedules nothing
+    assert naps == [module.IDLE_STEP_WAIT_S]
+    naps.clear()
+    meta = driver.prefill(req)  # schedules the prompt: no nap however busy the tiers are
+    assert naps == []
+    driver.complete(list(meta.store_jobs))

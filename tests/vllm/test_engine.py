@@ -188,6 +188,44 @@ def test_a_corrupted_block_is_recomputed_never_served(
     assert cached_again == len(PREFIX)  # the recomputed chunk was stored again
 
 
+def test_a_hybrid_model_offloads_both_kv_groups_on_their_shared_tensors(
+    tmp_path: Path,
+) -> None:
+    """Sliding-window and full-attention layers: vLLM's hybrid allocator makes two KV-cache
+    groups that overlay the same KV tensors; kvhex's worker stores and loads both."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    from kvhex.adapters.vllm.worker import KvhexCpuOffloadingWorker
+    from tests.vllm.engine import hybrid_model
+
+    model = hybrid_model(tmp_path / "gemma2")
+    blocks = 2 * 17  # the two groups share the device blocks
+    with offline_engine(model, enable_prefix_caching=False, num_gpu_blocks_override=blocks) as llm:
+        baseline = [generate(llm, prompt(t))[0] for t in TURNS]
+    outputs, cached, loads = [], [], []
+    transfer = kvhex_transfer(host_only())
+    with offline_engine(model, kv_transfer_config=transfer, num_gpu_blocks_override=blocks) as llm:
+        groups = scheduler(llm).kv_cache_config.kv_cache_groups
+        worker = get_kv_transfer_group().connector_worker.worker
+        for t in TURNS:
+            before = host_loads(llm)
+            tokens, hit = generate(llm, prompt(t))
+            outputs.append(tokens)
+            cached.append(hit)
+            loads.append(host_loads(llm) - before)
+            generate(llm, flush(t))
+        shared = worker.transfer.layout.tensor_groups
+    assert [type(g.kv_cache_spec).__name__ for g in groups] == [
+        "SlidingWindowSpec",
+        "FullAttentionSpec",
+    ]
+    assert isinstance(worker, KvhexCpuOffloadingWorker)
+    assert (0, 1) in shared  # a KV tensor of both groups
+    assert outputs == baseline
+    assert cached[1:] == [len(PREFIX)] * (len(TURNS) - 1)
+    assert all(n >= 9 for n in loads[1:])
+
+
 def test_events_on_vllms_zmq_publisher_are_full_and_replay_to_each_tiers_residency(
     model: Path, baseline: dict[int, list[int]], tmp_path: Path
 ) -> None:

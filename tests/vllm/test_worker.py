@@ -259,3 +259,38 @@ def test_shutdown_waits_releases_once_and_refuses_later_jobs() -> None:
     assert torch.equal(layout.region, layout.expected_cells([([0], [[1]], [0])]))
     with pytest.raises(TransferError, match="shut down"):
         worker.submit_store(2, *specs([1], [[2]], [0]))
+
+
+def test_the_transfer_bench_runs_through_the_vllm_worker() -> None:
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    bench = Path(__file__).parent.parent.parent / "bench" / "gpu_transfer.py"
+    out = subprocess.run(
+        [sys.executable, str(bench), "--device", "cpu", "--vllm-worker", "--quick", "--json"],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=300,
+    )
+    rows = json.loads(out.stdout)["rows"]
+    assert rows
+    assert all(row["ratio"] > 0 for row in rows)
+    assert "through kvhex's vLLM CPU worker" in out.stderr
+
+
+def test_a_load_has_landed_when_submit_returns_and_is_still_reported() -> None:
+    layout = Layout([512] * 2, [[0, 1]], blocks_per_chunk=1, one_backing=True)
+    worker = layout.worker()
+    worker.submit_store(1, *specs([3], [[2]], [0]))
+    worker.wait({1})
+    originals = [t[2].clone() for t in layout.kv]
+    for tensor in layout.kv:
+        tensor[7].zero_()
+    device, host = specs([3], [[7]], [0])
+    worker.submit_load(2, host, device)  # no wait: the copy is done
+    assert all(torch.equal(t[7], o) for t, o in zip(layout.kv, originals, strict=True))
+    assert [r.job_id for r in worker.get_finished()] == [1, 2]
+    worker.shutdown()

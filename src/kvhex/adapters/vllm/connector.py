@@ -2,12 +2,17 @@
 
 vLLM's ``OffloadingManager`` API hands a manager only a ``ReqContext`` (request id, transfer
 params), never the ``Request``; vLLM's own events tracker therefore snapshots payloads in the
-scheduler. This connector is vLLM's ``OffloadingConnector`` plus two hooks, used only when the
+scheduler. This connector is vLLM's ``OffloadingConnector`` plus three hooks, used only when the
 spec's manager is kvhex's:
 
 * ``on_new_request``: kvhex's context of the request gets the live ``Request`` (references
   to its tokens and hashes, never copies), so every store, cascade and promotion job the
   request starts carries its provenance, however late the job completes;
+* ``build_connector_meta``: a step that schedules nothing while kvhex's tiers have jobs in
+  flight (a request waits for its promotion) sleeps ``IDLE_STEP_WAIT_S``: vLLM would step
+  again at once, in a loop that holds the GIL, and the tiers' IO threads would get it only
+  at the interpreter's switch interval (5 ms a turn: a 64 MiB promotion from files took
+  1.4 s instead of tens of ms);
 * ``take_events``: the step's events come from kvhex's translator (full ``BlockStored`` for
   host stores, secondary-tier stores and promotions; per-key ``BlockRemoved`` on reset) as
   vLLM's own ``kv_events`` structs, which vLLM's scheduler publishes with its publisher.
@@ -19,6 +24,7 @@ point; ``kv_connector_module_path="kvhex.adapters.vllm"`` works without it).
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable
 from typing import Any
 
@@ -31,7 +37,10 @@ from kvhex.adapters.vllm.compat import manager_lock, quiet_events_tracker
 from kvhex.adapters.vllm.manager import KvhexOffloadingManager
 from kvhex.domain.geometry import CacheKind, KvGeometry, KvGroup
 
-__all__ = ["KvhexOffloadingConnector", "geometry_of_groups"]
+__all__ = ["IDLE_STEP_WAIT_S", "KvhexOffloadingConnector", "geometry_of_groups"]
+
+IDLE_STEP_WAIT_S = 0.001
+"""How long an empty scheduler step sleeps while kvhex's tiers have work in flight."""
 
 _KINDS = {kind.value: kind for kind in CacheKind}
 
@@ -74,6 +83,20 @@ class KvhexOffloadingConnector(OffloadingConnector):
             # kvhex publishes its own events: vLLM's tracker must not snapshot payloads
             # that nothing would ever drop
             quiet_events_tracker(scheduler)
+
+    def build_connector_meta(self, scheduler_output: Any) -> Any:
+        meta = super().build_connector_meta(scheduler_output)
+        kvhex = self._kvhex
+        if (
+            kvhex is not None
+            and not scheduler_output.total_num_scheduled_tokens
+            and kvhex.has_pending_work()
+        ):
+            # an empty step while kvhex's tiers work: the engine would step again at once
+            # and keep the GIL from the tiers' IO threads (each of their turns then waits
+            # for the interpreter's switch interval); give them the time instead
+            time.sleep(IDLE_STEP_WAIT_S)
+        return meta
 
     def on_new_request(self, request: Any) -> None:
         if self._kvhex is None:
