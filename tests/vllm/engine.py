@@ -59,52 +59,41 @@ def flush(turn: int) -> list[int]:
     return [((turn * 53 + j * 11) % 997) + 1 for j in range(15 * BLOCK - 10)]
 
 
-def tiny_model(path: Path) -> Path:
-    """A random-weight Llama (2 layers, hidden 128, 4 heads, 2 KV heads, vocab 1024, bf16,
-    seed 0) saved under ``path``."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+_SHAPE = {
+    "num_hidden_layers": 2,
+    "hidden_size": 128,
+    "intermediate_size": 256,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "vocab_size": 1024,
+    "max_position_embeddings": 2048,
+    "torch_dtype": "bfloat16",
+}
+"""2 layers, hidden 128, 4 heads (of 32), 2 KV heads, vocab 1024, bf16."""
 
-    if (path / "config.json").exists():
-        return path
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        num_hidden_layers=2,
-        hidden_size=128,
-        intermediate_size=256,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=1024,
-        max_position_embeddings=2048,
-        torch_dtype="bfloat16",
-    )
-    LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(path)
+
+def _random_model(path: Path, kind: str, **extra: Any) -> Path:
+    """A random-weight ``transformers`` model of ``kind`` (seed 0) saved under ``path``."""
+    import torch
+    import transformers
+
+    if not (path / "config.json").exists():
+        torch.manual_seed(0)
+        config = getattr(transformers, f"{kind}Config")(**_SHAPE, **extra)
+        model = getattr(transformers, f"{kind}ForCausalLM")(config)
+        model.to(torch.bfloat16).save_pretrained(path)
     return path
+
+
+def tiny_model(path: Path) -> Path:
+    """A random-weight Llama of ``_SHAPE``."""
+    return _random_model(path, "Llama")
 
 
 def hybrid_model(path: Path) -> Path:
-    """A random-weight Gemma 2 (2 layers: one sliding-window of 64 tokens, one full
-    attention; head 32, bf16, seed 0): two KV-cache groups overlaid on shared KV tensors."""
-    import torch
-    from transformers import Gemma2Config, Gemma2ForCausalLM
-
-    if (path / "config.json").exists():
-        return path
-    torch.manual_seed(0)
-    config = Gemma2Config(
-        num_hidden_layers=2,
-        hidden_size=128,
-        intermediate_size=256,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=32,
-        vocab_size=1024,
-        max_position_embeddings=2048,
-        sliding_window=64,
-        torch_dtype="bfloat16",
-    )
-    Gemma2ForCausalLM(config).to(torch.bfloat16).save_pretrained(path)
-    return path
+    """A random-weight Gemma 2 of ``_SHAPE`` (one sliding-window layer of 64 tokens, one full
+    attention layer): two KV-cache groups overlaid on shared KV tensors."""
+    return _random_model(path, "Gemma2", head_dim=32, sliding_window=64)
 
 
 def kvhex_transfer(extra: dict[str, Any], connector: str = "KvhexOffloadingConnector") -> Any:

@@ -173,3 +173,14 @@ def test_promotions_go_on_after_a_reset_with_no_copy_in_flight(
 
     manager, ctx = _reset_with_a_copy_in_flight(tmp_path, managers, busy=False)
     assert manager.lookup(key(1), ctx) is LookupResult.RETRY
+
+
+def test_an_unsupported_vllm_version_is_refused_naming_the_supported_ones() -> None:
+    from kvhex.adapters.vllm.compat import VLLM_VERSION, installed_version
+
+    assert VLLM_VERSION in {(0, 32), (0, 33)}
+    assert installed_version("0.32.0+cpu") == (0, 32)
+    assert installed_version("0.33.0") == (0, 33)
+    for other in ("0.31.2", "0.34.0", "1.0", "dev"):
+        with pytest.raises(ImportError, match=r"supports vLLM 0\.32 and 0\.33; vLLM .* is"):
+            installed_version(other)
