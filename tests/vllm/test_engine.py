@@ -111,6 +111,38 @@ def test_host_memory_serves_a_prefix_the_device_lost(
         assert loads[t] >= 9, f"turn {t}: the device kept at most one block of the prefix"
 
 
+@pytest.mark.parametrize(
+    "layout",
+    [
+        {"kv_cache_dtype": "fp8"},
+        {"dtype": "float16"},
+        {"dtype": "float32"},
+        {"block_size": 2 * BLOCK, "num_gpu_blocks_override": 9},
+    ],
+    ids=["fp8 KV cache", "float16", "float32", "64-token blocks"],
+)
+def test_every_kv_layout_of_the_cpu_backend_round_trips_through_host_memory(
+    model: Path, layout: dict[str, Any]
+) -> None:
+    """The CPU attention backend keeps one layout (blocks, heads, tokens, K and V), in the
+    model's dtype or fp8, with blocks of any multiple of 32 tokens: each against its own
+    baseline."""
+    with offline_engine(model, enable_prefix_caching=False, **layout) as llm:
+        baseline = [generate(llm, prompt(t))[0] for t in TURNS]
+    outputs, cached = [], []
+    transfer = kvhex_transfer(host_only())
+    with offline_engine(model, kv_transfer_config=transfer, **layout) as llm:
+        for t in TURNS:
+            tokens, hit = generate(llm, prompt(t))
+            outputs.append(tokens)
+            cached.append(hit)
+            generate(llm, flush(t))
+        loads = host_loads(llm)
+    assert outputs == baseline
+    assert cached[1:] == [len(PREFIX)] * (len(TURNS) - 1)
+    assert loads > 0
+
+
 def test_the_file_tier_serves_the_prefix_when_host_memory_is_too_small(
     model: Path, baseline: dict[int, list[int]], tmp_path: Path
 ) -> None:
