@@ -73,7 +73,7 @@ def test_direct_copies_place_every_byte_like_the_oracle(
         workers = CopyWorkers(copier.run, threads=tuning["threads"], name="test-copy")
         try:
             done = workers.submit(job.kind, tasks, nbytes, job.slots)
-            done.done.wait()
+            assert done.done.wait(60), "the copy threads did not finish the job"
         finally:
             workers.close()
         assert done.error is None
@@ -150,7 +150,7 @@ def test_every_copy_thread_takes_tasks_and_torch_settings_stay_as_they_were() ->
     job = TransferJob(JobId(1), STORE, list(range(32)), blocks)
     tasks, nbytes = copier.plan(job, layout.plan(job, num_slots=64, num_blocks=[64]))
     workers = CopyWorkers(run, threads=2, name="test-copy")
-    workers.submit(STORE, tasks, nbytes, job.slots).done.wait()
+    assert workers.submit(STORE, tasks, nbytes, job.slots).done.wait(60)
     workers.close()
     assert sorted(seen) == ["test-copy-0", "test-copy-1"]
     assert torch.get_num_threads() == before

@@ -54,6 +54,19 @@ def test_a_job_writing_what_an_unfinished_job_writes_waits_and_others_overlap() 
     assert first.seconds >= 0.2
 
 
+def test_two_loads_writing_one_device_block_keep_their_order_and_directions_never_wait() -> None:
+    run = Recorder()
+    workers = CopyWorkers(run, threads=2, name="test")
+    first = workers.submit(LOAD, [("l1", 0.2)], 1, [4])
+    again = workers.submit(LOAD, [("l2", 0.0)], 1, [4])  # device block 4 again: after "l1"
+    store = workers.submit(STORE, [("s1", 0.0)], 1, [4])  # slot 4: another direction's id
+    for job in (first, again, store):
+        assert job.done.wait(10)
+    workers.close()
+    assert run.at("end", "l1") < run.at("start", "l2")
+    assert run.at("end", "s1") < run.at("end", "l1")  # ran beside "l1", not after it
+
+
 def test_loads_are_taken_before_queued_stores() -> None:
     run = Recorder()
     run.gate.clear()

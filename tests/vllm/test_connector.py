@@ -263,7 +263,7 @@ def test_an_empty_step_yields_to_the_tiers_only_while_they_work(
     from kvhex.adapters.vllm import connector as module
 
     naps: list[float] = []
-    monkeypatch.setattr(module.time, "sleep", naps.append)
+    monkeypatch.setattr(module, "_nap", naps.append)
     connector = scheduler_connector(
         tmp_path / "model", _extra(tmp_path / "kv"), "KvhexOffloadingConnector"
     )

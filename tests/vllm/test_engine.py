@@ -129,18 +129,20 @@ def test_every_kv_layout_of_the_cpu_backend_round_trips_through_host_memory(
     baseline."""
     with offline_engine(model, enable_prefix_caching=False, **layout) as llm:
         baseline = [generate(llm, prompt(t))[0] for t in TURNS]
-    outputs, cached = [], []
+    outputs, cached, loads = [], [], []
     transfer = kvhex_transfer(host_only())
     with offline_engine(model, kv_transfer_config=transfer, **layout) as llm:
         for t in TURNS:
+            before = host_loads(llm)
             tokens, hit = generate(llm, prompt(t))
             outputs.append(tokens)
             cached.append(hit)
+            loads.append(host_loads(llm) - before)
             generate(llm, flush(t))
-        loads = host_loads(llm)
+    chunks = len(PREFIX) // layout.get("block_size", BLOCK)
     assert outputs == baseline
     assert cached[1:] == [len(PREFIX)] * (len(TURNS) - 1)
-    assert loads > 0
+    assert all(n >= chunks - 1 for n in loads[1:])  # the device kept one block at most
 
 
 def test_the_file_tier_serves_the_prefix_when_host_memory_is_too_small(
@@ -162,21 +164,37 @@ def test_the_file_tier_serves_the_prefix_when_host_memory_is_too_small(
 def test_a_reset_with_the_connector_then_hits_again(
     model: Path, baseline: dict[int, list[int]], tmp_path: Path
 ) -> None:
+    """A reset while a device -> host copy is still due (a request finished in the step
+    before, its store not yet run by the worker): promotions wait until vLLM's workers
+    flushed that copy (vLLM 0.33 says so; on 0.32 kvhex counts steps), then the file tier,
+    which kept its data, serves the prefix again."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
     outputs, cached, from_files = {}, {}, {}
     with offline_engine(model, kv_transfer_config=kvhex_transfer(with_files(tmp_path))) as llm:
+        manager = kvhex_manager(llm)
         outputs[0], _ = generate(llm, prompt(0))
         settle(llm)
+        engine = llm.llm_engine
+        once = SamplingParams(temperature=0, max_tokens=1)
+        engine.add_request("due", TokensPrompt(prompt_token_ids=flush(9)), once)
+        while engine.has_unfinished_requests():  # prefill: its store job goes out next step
+            engine.step()
+        assert manager.stats().primary.pending > 0
         assert llm.reset_prefix_cache(reset_connector=True)
-        assert kvhex_manager(llm).stats().primary.resident == 0
+        assert manager.stats().primary.resident == 0
+        assert manager.promotions_held
         for t in TURNS[1:]:
             evict(llm, t)
+            assert not manager.promotions_held
             before = promoted(llm)
             outputs[t], cached[t] = generate(llm, prompt(t))
             from_files[t] = promoted(llm) - before
     assert outputs == baseline
-    # the file tier kept its data, and promotes again once vLLM's workers flushed the reset
-    assert cached[3] == len(PREFIX)
-    assert from_files[3] >= 9
+    for t in TURNS[1:]:
+        assert cached[t] == len(PREFIX), f"turn {t}"
+        assert from_files[t] >= 9, f"turn {t}"
 
 
 def test_an_engine_restart_on_the_same_root_hits_from_files_at_once(

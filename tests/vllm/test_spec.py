@@ -115,7 +115,7 @@ def test_events_stay_off_when_vllm_events_are_off(managers: list[Any]) -> None:
     assert list(manager.take_events()) == []
 
 
-def _reset_with_a_copy_in_flight(tmp_path: Path, managers: list[Any], busy: bool) -> Any:
+def _reset_with_a_copy_in_flight(tmp_path: Path, managers: list[Any], busy: str | None) -> Any:
     from vllm.v1.kv_offload.base import ReqContext, ScheduleEndContext
 
     from tests.vllm.helpers import key
@@ -132,8 +132,11 @@ def _reset_with_a_copy_in_flight(tmp_path: Path, managers: list[Any], busy: bool
     manager.complete_store([key(1)], ctx)
     while manager.has_pending_work():
         manager.on_schedule_end(ScheduleEndContext((), ()))
-    if busy:  # a device -> host copy the workers have not reported yet
+    if busy == "store":  # a device -> host copy the workers have not reported yet
         assert manager.prepare_store([key(2)], ctx) is not None
+    elif busy == "load":  # a host -> device copy of key 1 the workers have not reported yet
+        assert manager.lookup(key(1), ctx).name == "HIT"
+        manager.prepare_load([key(1)], ctx)
     manager.reset_cache()
     return manager, ctx
 
@@ -149,7 +152,8 @@ def test_promotions_wait_after_a_reset_until_vllm_reports_the_flush(
     from kvhex.adapters.vllm.compat import RESET_FLUSH_STEPS, SIGNALS_RESET_FLUSHED
     from tests.vllm.helpers import key
 
-    manager, ctx = _reset_with_a_copy_in_flight(tmp_path, managers, busy=True)
+    manager, ctx = _reset_with_a_copy_in_flight(tmp_path, managers, busy="store")
+    assert manager.promotions_held
     assert manager.lookup(key(1), ctx) is LookupResult.MISS  # held: host tier only
     if SIGNALS_RESET_FLUSHED:
         for _ in range(5):
@@ -171,8 +175,38 @@ def test_promotions_go_on_after_a_reset_with_no_copy_in_flight(
 
     from tests.vllm.helpers import key
 
-    manager, ctx = _reset_with_a_copy_in_flight(tmp_path, managers, busy=False)
+    manager, ctx = _reset_with_a_copy_in_flight(tmp_path, managers, busy=None)
+    assert not manager.promotions_held
     assert manager.lookup(key(1), ctx) is LookupResult.RETRY
+
+
+def test_a_device_load_in_flight_at_a_reset_holds_promotions_too(
+    tmp_path: Path, managers: list[Any]
+) -> None:
+    manager, _ = _reset_with_a_copy_in_flight(tmp_path, managers, busy="load")
+    assert manager.promotions_held
+
+
+def test_a_second_reset_keeps_the_hold_an_earlier_one_still_owes(
+    tmp_path: Path, managers: list[Any]
+) -> None:
+    """The first reset freed the slots its copies still write; the second finds nothing in
+    flight, but the first one's flush is still owed."""
+    from vllm.v1.kv_offload.base import ScheduleEndContext
+
+    from kvhex.adapters.vllm.compat import RESET_FLUSH_STEPS, SIGNALS_RESET_FLUSHED
+
+    manager, _ = _reset_with_a_copy_in_flight(tmp_path, managers, busy="store")
+    manager.on_schedule_end(ScheduleEndContext((), ()))
+    manager.reset_cache()
+    assert manager.promotions_held
+    if SIGNALS_RESET_FLUSHED:
+        manager.on_reset_flushed()
+    else:  # the count starts again at the second reset
+        for _ in range(RESET_FLUSH_STEPS):
+            assert manager.promotions_held
+            manager.on_schedule_end(ScheduleEndContext((), ()))
+    assert not manager.promotions_held
 
 
 def test_an_unsupported_vllm_version_is_refused_naming_the_supported_ones() -> None:

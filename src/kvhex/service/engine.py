@@ -118,9 +118,10 @@ class OffloadEngine:
         """Keep the engine stepping while True. False once shut down."""
         return not self._closed and self._manager.has_pending_work()
 
-    def reset(self) -> None:
-        """Drain tiers and empty the host tier (persistent tiers keep their data)."""
-        self._live("reset").reset()
+    def reset(self) -> int:
+        """Drain tiers and empty the host tier (persistent tiers keep their data). Returns
+        the host slots device copies may still write or read (see ``TieringManager.reset``)."""
+        return self._live("reset").reset()
 
     def shutdown(self) -> None:
         """Close every tier (reverse order), then the host buffer. Idempotent once it

@@ -329,10 +329,14 @@ class TieringManager:
         tiers = any(t.promotions or t.driver.has_pending_work() for t in self._tiers)
         return tiers or any(r.parked for r in self._requests.values())
 
-    def reset(self) -> None:
+    def reset(self) -> int:
         """Drain every tier and apply the results, drop promotions not yet submitted, reset
         the host tier (announcing ``Cleared``). Active requests stay known (their pending
         stores are forgotten); finished ones are finalized. Secondary tiers keep their data.
+
+        Returns the host slots that the engine's device copies may still write or read
+        (write-pending for a device store, pinned for a device load): until those copies
+        finished, the engine must keep promotions out of freed slots.
         """
         for tier in self._tiers:
             tier.store.drain()
@@ -340,6 +344,9 @@ class TieringManager:
         if unreported := sum(t.driver.in_flight for t in self._tiers):
             names = ",".join(sorted(t.stats.name for t in self._tiers if t.driver.in_flight))
             raise TierError(f"{unreported} jobs still unreported after drain", tier=names)
+        host = self._primary.stats()  # tiers drained: every pin left is a device load's
+        reserved = sum(len(keys) for t in self._tiers for keys, _ in t.promotions.values())
+        device_busy = host.pending - reserved + host.pinned
         self._hits_this_step.clear()
         for tier in self._tiers:
             tier.promotions.clear()
@@ -351,6 +358,7 @@ class TieringManager:
             self._maybe_finalize(request)
         self._primary.reset()
         self._polled = False
+        return device_busy
 
     def shutdown(self) -> None:
         """Close tiers in reverse order. If any fails, raise ``TierError`` naming them and

@@ -90,9 +90,9 @@ def spans_of(layout: SlotLayout, blocks: list[torch.Tensor]) -> list[list[Span]]
 class Staging:
     """One direction's staging buffers (slot rows and dense blocks), grown on demand.
 
-    Used by one thread (the CPU worker of that direction, or the submitting thread under the
-    direction's CUDA stream), so a buffer replaced on CUDA is reused only by work the
-    allocator orders after it on that stream."""
+    Used by one thread (the submitting thread under the direction's CUDA stream; the CPU
+    path copies directly, :mod:`kvhex.adapters.torch.direct`), so a buffer replaced on CUDA
+    is reused only by work the allocator orders after it on that stream."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device

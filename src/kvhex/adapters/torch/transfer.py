@@ -10,7 +10,8 @@ them in order per direction and reports results:
   stream at submission, runs between two timing events, and completes in submission order
   because its stream runs in order; ``poll`` reports event-measured seconds.
 * CPU: a job is planned into tasks at submission and run by copy threads shared by both
-  directions (:mod:`kvhex.adapters.torch.workers`; torch releases the GIL while copying):
+  directions (:mod:`kvhex.adapters.torch.workers`; the copies, numpy's and memmove's,
+  release the GIL):
   any free thread takes the next task, loads first; a job that writes what an unfinished
   job of its direction writes waits for it. Results still come in submission order per
   direction; ``seconds`` is the wall time from the job's first task to its last.
@@ -210,6 +211,12 @@ class TorchBlockTransfer:
                 "transfer_host_not_pinned",
                 consequence="device copies block the submitting thread",
             )
+
+    @property
+    def spans(self) -> list[list[int]] | None:
+        """CPU only: per group, how many tensors each span copies at once (one strided copy
+        covers a span); ``None`` on CUDA."""
+        return self._direct.span_sizes if self._direct is not None else None
 
     # -- BlockTransfer ---------------------------------------------------------------------
     def submit_store(self, job: TransferJob) -> None:

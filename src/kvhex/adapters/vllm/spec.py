@@ -33,11 +33,11 @@ from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
 from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
 from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
 
-from kvhex.adapters.vllm.compat import sliding_window_chunks
+from kvhex.adapters.vllm.compat import group_kind
 from kvhex.adapters.vllm.compose import RegionHostBuffer, build_engine
 from kvhex.adapters.vllm.manager import KvhexOffloadingManager
 from kvhex.adapters.vllm.settings import SOURCE, VllmSettings, parse_settings
-from kvhex.domain.geometry import CacheKind, KvGeometry, KvGroup
+from kvhex.domain.geometry import KvGeometry, KvGroup
 from kvhex.errors import ConfigError
 from kvhex.plugins import Registry
 
@@ -49,7 +49,7 @@ log = structlog.get_logger(__name__)
 def geometry_of(config: OffloadingConfig) -> KvGeometry | None:
     """The KV groups as far as the offloading config tells: full attention when a group has
     no sliding window, else ``UNKNOWN`` (placeholders) until the connector names the kind.
-    vLLM 0.32's config does not say (``compat.sliding_window_chunks``): every group is
+    vLLM 0.32's config does not say (``compat.group_kind``): every group is
     ``UNKNOWN`` there until the connector binds the scheduler's exact kinds."""
     try:
         return KvGeometry(
@@ -58,9 +58,7 @@ def geometry_of(config: OffloadingConfig) -> KvGeometry | None:
                     group.group_id,
                     group.tokens_per_block,
                     config.cache.blocks_per_chunk,
-                    CacheKind.FULL_ATTENTION
-                    if sliding_window_chunks(group) is None
-                    else CacheKind.UNKNOWN,
+                    group_kind(group),
                 )
                 for group in config.groups
             ),
@@ -116,11 +114,10 @@ class KvhexOffloadingSpec(TieringOffloadingSpec):
         self.settings: VllmSettings = parse_settings(config.extra_config)
         super().__init__(config)
         self._kvhex_manager: KvhexOffloadingManager | None = None
-        self._kvhex_worker: OffloadingWorker | None = None
 
     def get_worker(self, kv_caches: CanonicalKVCaches) -> OffloadingWorker:
         """vLLM's worker on CUDA-alike and XPU platforms; kvhex's CPU worker on vLLM's CPU
-        platform (built once).
+        platform, where vLLM's own refuses (built once, by ``create_worker``).
 
         Raises:
             ConfigError: ``canonical_layout`` on the CPU platform (kvhex's CPU worker writes
@@ -132,11 +129,19 @@ class KvhexOffloadingSpec(TieringOffloadingSpec):
         if not current_platform.is_cpu():
             worker: OffloadingWorker = super().get_worker(kv_caches)
             return worker
-        if self._kvhex_worker is None:
-            self._kvhex_worker = self._build_cpu_worker(kv_caches)
-        return self._kvhex_worker
+        built: OffloadingWorker | None = getattr(self, "_worker", None)  # vLLM's cache
+        if built is None:
+            built = self._worker = self.create_worker(kv_caches)
+        return built
 
-    def _build_cpu_worker(self, kv_caches: CanonicalKVCaches) -> OffloadingWorker:
+    def create_worker(self, kv_caches: CanonicalKVCaches) -> Any:
+        """vLLM's ``CPUOffloadingWorker`` (``TieringOffloadingSpec``'s) off the CPU platform;
+        on it, kvhex's ``KvhexCpuOffloadingWorker`` on this rank's cells of the same shared
+        region (rank 0's under the replicated layout)."""
+        from vllm.platforms import current_platform
+
+        if not current_platform.is_cpu():
+            return super().create_worker(kv_caches)
         from kvhex.adapters.vllm.worker import KvhexCpuOffloadingWorker
 
         if self.config.canonical_layout:

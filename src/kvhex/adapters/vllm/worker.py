@@ -17,9 +17,16 @@ vLLM's worker writes:
 So the bytes vLLM's CPU build stores are exactly where kvhex's tiers expect them, and a chunk a
 file tier wrote is loaded back into any engine with the same layout.
 
-Stores run in the background on the transfer's copy threads; loads are waited for
-(``LOADS_WAITED``). Jobs mirror vLLM's specs one to one: ``GPULoadStoreSpec`` block ids,
-group sizes and block indices (the first ``block_indices[g] % blocks_per_chunk`` positions of
+Stores run in the background on the transfer's copy threads. Loads are waited for by default
+(``wait_loads``): ``submit_load`` returns once the copy is done. On the CPU the copy and the
+model share the cores, and the request that needs the blocks waits for them anyway; a load
+left in the background has to win the GIL from vLLM's engine loop, which steps without pause
+while a request waits for its blocks, for every copy it makes. Measured on 2 cores, 64 MiB
+loaded from host memory: 0.17-0.45 s in the background, 6-8 ms waited (time to first token
+of a 4096-token prefix 0.20-0.49 s against 0.03-0.04 s; 0.6-0.7 s recomputed).
+
+Jobs mirror vLLM's specs one to one: ``GPULoadStoreSpec`` block ids, group sizes and block
+indices (the first ``block_indices[g] % blocks_per_chunk`` positions of
 a group's first chunk are skipped) and ``CPULoadStoreSpec`` chunk ids. Results come back per
 direction in submission order, stores before loads, as vLLM's worker reports them. A job that
 does not fit the layout raises ``TransferError`` naming the job and the field (vLLM would only
@@ -40,17 +47,9 @@ from kvhex.domain.jobs import JobId
 from kvhex.domain.transfer import TransferJob, TransferKind
 from kvhex.errors import TransferError
 
-__all__ = ["LOADS_WAITED", "CellHostBuffer", "KvhexCpuOffloadingWorker", "tensor_groups_of"]
+__all__ = ["CellHostBuffer", "KvhexCpuOffloadingWorker", "tensor_groups_of"]
 
 log = structlog.get_logger(__name__)
-
-LOADS_WAITED = True
-"""``submit_load`` returns once the copy is done (the copy threads do it, the caller waits).
-On the CPU the copy and the model share the cores, and the request that needs the blocks
-waits for them anyway; a load left in the background has to win the GIL from vLLM's engine
-loop, which steps without pause while a request waits for its blocks, for every copy it
-makes. Measured on 2 cores, 64 MiB loaded from host memory: 20-110 ms in the background,
-6-8 ms waited (time to first token 0.05-0.15 s against 0.03-0.04 s, 0.6 s recomputed)."""
 
 
 class CellHostBuffer:
@@ -112,6 +111,7 @@ class KvhexCpuOffloadingWorker(vbase.OffloadingWorker):
         blocks_per_chunk: device blocks per offloaded chunk (vLLM's, the same for every group).
         cells: this worker's cells of the shared region, ``[num_chunks, cpu_page_size]``.
         release: called once at shutdown, after the last copy finished (unmaps the region).
+        wait_loads: ``submit_load`` waits for its copy (module docstring).
 
     Raises:
         TransferError: the tensors do not fill a cell exactly (naming both sizes), or any
@@ -125,6 +125,7 @@ class KvhexCpuOffloadingWorker(vbase.OffloadingWorker):
         blocks_per_chunk: int,
         cells: torch.Tensor,
         release: Callable[[], None] | None = None,
+        wait_loads: bool = True,
     ) -> None:
         tensors = [t.tensor for t in kv_caches.tensors]
         groups = tensor_groups_of(kv_caches)
@@ -136,6 +137,7 @@ class KvhexCpuOffloadingWorker(vbase.OffloadingWorker):
             blocks_per_chunk=[blocks_per_chunk] * len(kv_caches.group_data_refs),
         )
         self._release = release
+        self._wait_loads = wait_loads
         log.info(
             "kvhex_cpu_offloading_worker_ready",
             tensors=len(tensors),
@@ -170,11 +172,11 @@ class KvhexCpuOffloadingWorker(vbase.OffloadingWorker):
         dst_spec: vbase.GPULoadStoreSpec,
         expedited: bool = False,
     ) -> bool:
-        """Copy the chunks of ``src_spec`` into the device blocks of ``dst_spec``, and wait
-        for the copy (see ``LOADS_WAITED``); the result still comes from ``get_finished``.
-        Every load is thus what vLLM 0.33 calls expedited."""
+        """Copy the chunks of ``src_spec`` into the device blocks of ``dst_spec``, waiting
+        for the copy unless the worker was built with ``wait_loads=False`` (every load is then
+        what vLLM 0.33 calls expedited); the result still comes from ``get_finished``."""
         self.transfer.submit_load(_job(job_id, TransferKind.LOAD, dst_spec, src_spec))
-        if LOADS_WAITED:
+        if self._wait_loads:
             self.transfer.wait([JobId(job_id)])
         return True
 
@@ -213,12 +215,11 @@ def _ints(values: Any) -> Sequence[int]:
 
 
 def _job(job_id: int, kind: TransferKind, device: vbase.GPULoadStoreSpec, host: Any) -> TransferJob:
-    block_indices = getattr(device, "block_indices", None)
     return TransferJob(
         JobId(job_id),
         kind,
         _ints(host.block_ids),
         _ints(device.block_ids),
         group_sizes=_ints(device.group_sizes),
-        block_indices=_ints(block_indices) if block_indices is not None else None,
+        block_indices=_ints(device.block_indices),
     )
