@@ -27,6 +27,7 @@ PUBLIC = [
     "kvhex.domain.translate",
     "kvhex.domain.locator",
     "kvhex.domain.geometry",
+    "kvhex.domain.slot_layout",
     "kvhex.domain.provenance",
     "kvhex.adapters.memory",
     "kvhex.adapters.wire",

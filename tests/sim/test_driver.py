@@ -11,7 +11,8 @@ import torch
 from kvhex.adapters.memory import MemoryTierStore
 from kvhex.adapters.torch import TorchBlockTransfer, TorchHostBuffer
 from kvhex.domain import KvGeometry, KvGroup, LruPolicy, PrimaryTier
-from kvhex.domain.transfer import SlotLayout, TransferResult
+from kvhex.domain.slot_layout import SlotLayout
+from kvhex.domain.transfer import TransferResult
 from kvhex.service.engine import OffloadEngine
 from kvhex.service.tiering import TieringManager
 from kvhex.sim.driver import Replay, run_all

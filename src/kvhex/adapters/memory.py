@@ -17,15 +17,9 @@ from collections.abc import Collection, Sequence
 from kvhex.domain.events import EventBatch, Removed, Stored, TierEvent
 from kvhex.domain.jobs import JobId, JobKind, JobResult, TierJob
 from kvhex.domain.keys import OffloadKey
+from kvhex.domain.slot_layout import ChunkRun, SlotLayout
 from kvhex.domain.tiers import Locality, Medium, TierIdentity
-from kvhex.domain.transfer import (
-    ChunkRun,
-    SlotLayout,
-    TransferJob,
-    TransferKind,
-    TransferResult,
-    check_submission,
-)
+from kvhex.domain.transfer import TransferJob, TransferKind, TransferResult, check_submission
 from kvhex.errors import TierUnavailable, TransferError
 from kvhex.ports.host_buffer import HostBuffer
 

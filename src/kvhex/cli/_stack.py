@@ -13,7 +13,7 @@ from kvhex.adapters.torch import TorchBlockTransfer, TorchHostBuffer
 from kvhex.bootstrap import build_engine
 from kvhex.config.model import KvhexConfig
 from kvhex.domain.geometry import KvGeometry, KvGroup
-from kvhex.domain.transfer import SlotLayout
+from kvhex.domain.slot_layout import SlotLayout
 from kvhex.errors import ConfigError
 from kvhex.plugins import Registry
 from kvhex.sim.driver import Replay, RunReport, run_all

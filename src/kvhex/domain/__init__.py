@@ -29,6 +29,7 @@ from kvhex.domain.policies import ArcPolicy, EvictionPolicy, LruPolicy, PolicyFa
 from kvhex.domain.primary import PrimaryStats, PrimaryTier, StorePlan
 from kvhex.domain.provenance import MmFeature, Provenance
 from kvhex.domain.request import ReqContext
+from kvhex.domain.slot_layout import ByteRange, ChunkRun, SlotLayout
 from kvhex.domain.tiers import (
     Locality,
     LookupResult,
@@ -38,14 +39,7 @@ from kvhex.domain.tiers import (
     TierIdentity,
     TierMatcher,
 )
-from kvhex.domain.transfer import (
-    ByteRange,
-    ChunkRun,
-    SlotLayout,
-    TransferJob,
-    TransferKind,
-    TransferResult,
-)
+from kvhex.domain.transfer import TransferJob, TransferKind, TransferResult
 from kvhex.domain.translate import EventTranslator
 
 __all__ = [

@@ -34,7 +34,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvhex.domain.transfer import ChunkRun, SlotLayout, TransferJob
+from kvhex.domain.slot_layout import ChunkRun, SlotLayout
+from kvhex.domain.transfer import TransferJob
 
 __all__ = ["MERGE_CAP", "TASK_BYTES", "DirectCopier", "Task"]
 

@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import torch
 
-from kvhex.domain.transfer import ChunkRun, SlotLayout, TransferJob
+from kvhex.domain.slot_layout import ChunkRun, SlotLayout
+from kvhex.domain.transfer import TransferJob
 from kvhex.errors import TransferError
 
 __all__ = ["Span", "StagedCopier", "Staging", "block_bytes", "spans_of", "widest"]

@@ -31,14 +31,8 @@ from kvhex.adapters.torch.direct import DirectCopier
 from kvhex.adapters.torch.staging import StagedCopier, Staging, block_bytes
 from kvhex.adapters.torch.workers import CopyWorkers, Job
 from kvhex.domain.jobs import JobId
-from kvhex.domain.transfer import (
-    ChunkRun,
-    SlotLayout,
-    TransferJob,
-    TransferKind,
-    TransferResult,
-    check_submission,
-)
+from kvhex.domain.slot_layout import ChunkRun, SlotLayout
+from kvhex.domain.transfer import TransferJob, TransferKind, TransferResult, check_submission
 from kvhex.errors import TransferError
 from kvhex.ports.host_buffer import HostBuffer
 
