@@ -96,12 +96,12 @@ def hybrid_model(path: Path) -> Path:
     return _random_model(path, "Gemma2", head_dim=32, sliding_window=64)
 
 
-def kvhex_transfer(extra: dict[str, Any], connector: str = "KvhexOffloadingConnector") -> Any:
-    """vLLM's KV transfer config running kvhex's spec with ``extra``."""
+def kvhex_transfer(extra: dict[str, Any]) -> Any:
+    """vLLM's KV transfer config running kvhex's spec and connector with ``extra``."""
     from vllm.config import KVTransferConfig
 
     return KVTransferConfig(
-        kv_connector=connector,
+        kv_connector="KvhexOffloadingConnector",
         kv_role="kv_both",
         kv_connector_extra_config={"spec_name": "KvhexOffloadingSpec", **extra},
     )

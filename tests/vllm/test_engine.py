@@ -63,6 +63,46 @@ def with_files(root: Path, chunks: int = SMALL_HOST_CHUNKS) -> dict[str, Any]:
     }
 
 
+def run_turns(
+    llm: Any, served_by: Any, between: Any
+) -> tuple[list[list[int]], list[int], list[int]]:
+    """Every turn's prompt: its greedy tokens, its cached tokens, and how much
+    ``served_by(llm)`` grew during it; ``between(llm, turn)`` runs after each turn."""
+    outputs, cached, served = [], [], []
+    for t in TURNS:
+        before = served_by(llm)
+        tokens, hit = generate(llm, prompt(t))
+        outputs.append(tokens)
+        cached.append(hit)
+        served.append(served_by(llm) - before)
+        between(llm, t)
+    return outputs, cached, served
+
+
+def one_flush(llm: Any, turn: int) -> None:
+    """A flush prompt: the prefix leaves the 16-block device cache."""
+    generate(llm, flush(turn))
+
+
+def assert_prefix_served(
+    outputs: list[list[int]],
+    cached: list[int],
+    served: list[int],
+    baseline: list[list[int]],
+    at_least: int,
+) -> None:
+    """The baseline's tokens in every turn; from the second on, the whole prefix cached with
+    at least ``at_least`` chunks of it served by the tier."""
+    assert outputs == baseline
+    for t in TURNS[1:]:
+        assert cached[t] == len(PREFIX), f"turn {t}"
+        assert served[t] >= at_least, f"turn {t}"
+
+
+def in_turns(baseline: dict[int, list[int]]) -> list[list[int]]:
+    return [baseline[t] for t in TURNS]
+
+
 def evict(llm: Any, turn: int) -> None:
     """Two flush prompts: the prefix leaves the device and a host tier of
     ``SMALL_HOST_CHUNKS``; every job they started has finished."""
@@ -97,18 +137,11 @@ def host_loads(llm: Any) -> int:
 def test_host_memory_serves_a_prefix_the_device_lost(
     model: Path, baseline: dict[int, list[int]]
 ) -> None:
-    outputs, cached, loads = {}, {}, {}
     with offline_engine(model, kv_transfer_config=kvhex_transfer(host_only())) as llm:
-        for t in TURNS:
-            before = host_loads(llm)
-            outputs[t], cached[t] = generate(llm, prompt(t))
-            loads[t] = host_loads(llm) - before
-            generate(llm, flush(t))
-    assert outputs == baseline
+        outputs, cached, loads = run_turns(llm, host_loads, one_flush)
     assert cached[0] == 0
-    for t in TURNS[1:]:
-        assert cached[t] == len(PREFIX), f"turn {t}"
-        assert loads[t] >= 9, f"turn {t}: the device kept at most one block of the prefix"
+    # the device kept at most one block of the prefix: the host tier served the rest
+    assert_prefix_served(outputs, cached, loads, in_turns(baseline), at_least=9)
 
 
 @pytest.mark.parametrize(
@@ -129,36 +162,18 @@ def test_every_kv_layout_of_the_cpu_backend_round_trips_through_host_memory(
     baseline."""
     with offline_engine(model, enable_prefix_caching=False, **layout) as llm:
         baseline = [generate(llm, prompt(t))[0] for t in TURNS]
-    outputs, cached, loads = [], [], []
-    transfer = kvhex_transfer(host_only())
-    with offline_engine(model, kv_transfer_config=transfer, **layout) as llm:
-        for t in TURNS:
-            before = host_loads(llm)
-            tokens, hit = generate(llm, prompt(t))
-            outputs.append(tokens)
-            cached.append(hit)
-            loads.append(host_loads(llm) - before)
-            generate(llm, flush(t))
+    with offline_engine(model, kv_transfer_config=kvhex_transfer(host_only()), **layout) as llm:
+        outputs, cached, loads = run_turns(llm, host_loads, one_flush)
     chunks = len(PREFIX) // layout.get("block_size", BLOCK)
-    assert outputs == baseline
-    assert cached[1:] == [len(PREFIX)] * (len(TURNS) - 1)
-    assert all(n >= chunks - 1 for n in loads[1:])  # the device kept one block at most
+    assert_prefix_served(outputs, cached, loads, baseline, at_least=chunks - 1)
 
 
 def test_the_file_tier_serves_the_prefix_when_host_memory_is_too_small(
     model: Path, baseline: dict[int, list[int]], tmp_path: Path
 ) -> None:
-    outputs, cached, from_files = {}, {}, {}
     with offline_engine(model, kv_transfer_config=kvhex_transfer(with_files(tmp_path))) as llm:
-        for t in TURNS:
-            before = promoted(llm)
-            outputs[t], cached[t] = generate(llm, prompt(t))
-            from_files[t] = promoted(llm) - before
-            evict(llm, t)
-    assert outputs == baseline
-    for t in TURNS[1:]:
-        assert cached[t] == len(PREFIX), f"turn {t}"
-        assert from_files[t] >= 9, f"turn {t}"
+        outputs, cached, from_files = run_turns(llm, promoted, evict)
+    assert_prefix_served(outputs, cached, from_files, in_turns(baseline), at_least=9)
 
 
 def test_a_reset_with_the_connector_then_hits_again(
@@ -252,18 +267,11 @@ def test_a_hybrid_model_offloads_both_kv_groups_on_their_shared_tensors(
     blocks = 2 * 17  # the two groups share the device blocks
     with offline_engine(model, enable_prefix_caching=False, num_gpu_blocks_override=blocks) as llm:
         baseline = [generate(llm, prompt(t))[0] for t in TURNS]
-    outputs, cached, loads = [], [], []
     transfer = kvhex_transfer(host_only())
     with offline_engine(model, kv_transfer_config=transfer, num_gpu_blocks_override=blocks) as llm:
         groups = scheduler(llm).kv_cache_config.kv_cache_groups
         worker = get_kv_transfer_group().connector_worker.worker
-        for t in TURNS:
-            before = host_loads(llm)
-            tokens, hit = generate(llm, prompt(t))
-            outputs.append(tokens)
-            cached.append(hit)
-            loads.append(host_loads(llm) - before)
-            generate(llm, flush(t))
+        outputs, cached, loads = run_turns(llm, host_loads, one_flush)
         shared = worker.transfer.layout.tensor_groups
     assert [type(g.kv_cache_spec).__name__ for g in groups] == [
         "SlidingWindowSpec",
@@ -271,9 +279,7 @@ def test_a_hybrid_model_offloads_both_kv_groups_on_their_shared_tensors(
     ]
     assert isinstance(worker, KvhexCpuOffloadingWorker)
     assert (0, 1) in shared  # a KV tensor of both groups
-    assert outputs == baseline
-    assert cached[1:] == [len(PREFIX)] * (len(TURNS) - 1)
-    assert all(n >= 9 for n in loads[1:])
+    assert_prefix_served(outputs, cached, loads, baseline, at_least=9)
 
 
 def test_events_on_vllms_zmq_publisher_are_full_and_replay_to_each_tiers_residency(

@@ -4,7 +4,6 @@ batches, decoded with kvhex's wire structs."""
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 import sys
 import time
@@ -15,11 +14,7 @@ pytest.importorskip("vllm", reason="needs vLLM 0.33 (make test runs this in .ven
 
 from vllm.distributed import kv_events as vev
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+from tests.vllm.engine import free_port
 
 
 def test_vllms_publisher_is_replayed_decoded_and_checked() -> None:
