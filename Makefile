@@ -84,11 +84,11 @@ pytest: $(STAMP)
 
 # The vLLM integration tests, and the wire test that decodes kvhex's bytes with vLLM's decoder.
 vllm-test: $(VSTAMP)
-	$(VBIN)/pytest tests/vllm tests/adapters/test_wire.py
+	$(VBIN)/pytest tests/vllm tests/adapters/events/test_wire.py
 
 # The same on vLLM 0.32's CPU build, plus the end-to-end tests with a real engine.
 vllm32-test: $(V32STAMP)
-	$(V32BIN)/pytest tests/vllm tests/adapters/test_wire.py
+	$(V32BIN)/pytest tests/vllm tests/adapters/events/test_wire.py
 
 bench: $(STAMP)
 	$(BIN)/python bench/primary_tier.py

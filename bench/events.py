@@ -26,7 +26,7 @@ import tracemalloc
 from typing import Any
 
 from _report import Report, parse
-from kvhex.adapters.wire import encode_batch
+from kvhex.adapters.events.wire import encode_batch
 from kvhex.domain import (
     EventBatch,
     EventTranslator,

@@ -38,8 +38,8 @@ from collections.abc import Callable
 from typing import Any
 
 from _report import Report, parse
-from kvhex.adapters.fsspec import FsspecTierStore
 from kvhex.adapters.memory import MemoryHostBuffer
+from kvhex.adapters.storage.fsspec import FsspecTierStore
 from kvhex.domain import JobId, JobKind, TierJob, make_offload_key
 
 MiB = 1 << 20
@@ -156,7 +156,7 @@ def local_files(
 
     root = os.path.join(directory, "tier")
     if nixl:
-        from kvhex.adapters.nixl import NixlTierStore
+        from kvhex.adapters.storage.nixl import NixlTierStore
 
         store: FsspecTierStore = NixlTierStore(
             host, root, capacity_bytes=total + total // 8, io_threads=threads

@@ -12,9 +12,9 @@ from collections.abc import Iterator
 import pytest
 import zmq
 
+from kvhex.adapters.events.wire import encode_batch
+from kvhex.adapters.events.zmq import ZmqEventSink
 from kvhex.adapters.memory import MemoryEventSink
-from kvhex.adapters.wire import encode_batch
-from kvhex.adapters.zmq import ZmqEventSink
 from kvhex.domain.events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
 from tests.cli.command import kvhex, spawn
 from tests.cli.workload import CHUNKS, REQUESTS, serve

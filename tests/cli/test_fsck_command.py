@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from kvhex.adapters.blocks import HEADER_AREA
-from kvhex.adapters.fsspec import FsspecTierStore
 from kvhex.adapters.memory import MemoryHostBuffer
+from kvhex.adapters.storage.format import HEADER_AREA
+from kvhex.adapters.storage.fsspec import FsspecTierStore
 from kvhex.domain import JobKind
 from tests.adapters.jobs import key, run
 from tests.cli.command import kvhex

@@ -3,7 +3,7 @@ residency, and when a stream counts as inconsistent."""
 
 from __future__ import annotations
 
-from kvhex.adapters.wire import AllBlocksCleared, BlockRemoved, BlockStored
+from kvhex.adapters.events.wire import AllBlocksCleared, BlockRemoved, BlockStored
 from kvhex.cli._ledger import StreamLedger, residency_label
 
 H1, H2, H3 = b"\1" * 32, b"\2" * 32, b"\3" * 32

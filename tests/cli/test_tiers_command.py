@@ -71,7 +71,7 @@ def test_json_lists_the_same_with_every_field() -> None:
     assert fsspec == {
         "group": "kvhex.tiers",
         "name": "fsspec",
-        "target": "kvhex.adapters.fsspec:FsspecTierStore [files]",
+        "target": "kvhex.adapters.storage.fsspec:FsspecTierStore [files]",
         "distribution": "kvhex",
         "version": version("kvhex"),
         "builtin": True,

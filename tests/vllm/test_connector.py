@@ -22,7 +22,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import (
     OffloadingConnector,
 )
 
-from kvhex.adapters import wire
+from kvhex.adapters.events import wire
 from kvhex.adapters.memory import MemoryEventSink
 from kvhex.adapters.vllm import (
     KvhexOffloadingConnector,

@@ -24,7 +24,7 @@ from typing import Any
 
 import attrs
 
-from kvhex.adapters.wire import AllBlocksCleared, BlockRemoved, BlockStored
+from kvhex.adapters.events.wire import AllBlocksCleared, BlockRemoved, BlockStored
 
 __all__ = ["StreamLedger", "residency_label"]
 

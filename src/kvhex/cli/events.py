@@ -273,7 +273,7 @@ class _Watch:
     def handle(self, seq: int, payload: bytes, *, replayed: bool) -> None:
         import msgspec
 
-        from kvhex.adapters.wire import decode_batch
+        from kvhex.adapters.events.wire import decode_batch
 
         self.last = seq
         try:

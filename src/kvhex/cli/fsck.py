@@ -1,7 +1,7 @@
 """``kvhex fsck ROOT``: verify a local file tier, read-only.
 
-A thin front of :func:`kvhex.adapters.fsck.check_root` (which says what is checked and how it
-stays read-only). Exit status: 0 when every namespace is clean (orphans, unfinished slabs and
+A thin front of :func:`kvhex.adapters.storage.files.fsck.check_root` (which says what is
+checked and how it stays read-only). Exit status: 0 when every namespace is clean (orphans, unfinished slabs and
 foreign files are reported but harmless), 1 when a block is corrupt or missing or a namespace
 has a problem, 2 when ROOT cannot be checked at all (missing, not a directory) or a flag is bad.
 """
@@ -55,7 +55,7 @@ def _size(nbytes: int) -> str:
 def main(args: argparse.Namespace) -> int:
     """Check ROOT and print the verdict."""
     try:
-        from kvhex.adapters.fsck import check_root
+        from kvhex.adapters.storage.files.fsck import check_root
     except ImportError as exc:
         print(
             f"kvhex fsck: needs the file tier's packages ({exc.name}): pip install 'kvhex[files]'",

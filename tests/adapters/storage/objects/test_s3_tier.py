@@ -8,8 +8,8 @@ from typing import Any
 
 import pytest
 
-from kvhex.adapters.fsspec import FsspecTierStore
 from kvhex.adapters.memory import MemoryHostBuffer
+from kvhex.adapters.storage.fsspec import FsspecTierStore
 from kvhex.domain import JobKind, Removed, Stored
 from kvhex.errors import TierUnavailable
 from kvhex.ports.host_buffer import HostBuffer

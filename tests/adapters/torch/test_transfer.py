@@ -21,7 +21,7 @@ from kvhex.adapters.torch import TorchBlockTransfer, TorchHostBuffer
 from kvhex.domain import JobId, TransferJob, TransferKind, TransferResult
 from kvhex.errors import TransferError
 from kvhex.ports import BlockTransfer, HostBuffer
-from tests.adapters.torch_kv import ALLOCATIONS, HOSTS, StridedHost, check_round_trip
+from tests.adapters.torch.torch_kv import ALLOCATIONS, HOSTS, StridedHost, check_round_trip
 from tests.domain.transfers import Layout, jobs, layouts, placements
 
 STORE, LOAD = TransferKind.STORE, TransferKind.LOAD

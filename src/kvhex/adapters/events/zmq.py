@@ -21,7 +21,7 @@ from collections import deque
 import structlog
 import zmq
 
-from kvhex.adapters.wire import encode_batch
+from kvhex.adapters.events.wire import encode_batch
 from kvhex.domain.events import EventBatch
 
 __all__ = ["ZmqEventSink", "offset_endpoint"]

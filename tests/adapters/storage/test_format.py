@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import xxhash
 
-from kvhex.adapters.blocks import (
+from kvhex.adapters.storage.format import (
     HEADER_AREA,
     checksum,
     header_matches,

@@ -32,10 +32,10 @@ import uuid
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
-from kvhex.adapters.blocks import HEADER_AREA, pack_header
-from kvhex.adapters.fsspec import FsspecTierStore
-from kvhex.adapters.objects import ObjectIo
-from kvhex.adapters.slabs import SlabIo
+from kvhex.adapters.storage.files.slabs import SlabIo
+from kvhex.adapters.storage.format import HEADER_AREA, pack_header
+from kvhex.adapters.storage.fsspec import FsspecTierStore
+from kvhex.adapters.storage.objects import ObjectIo
 from kvhex.domain.keys import OffloadKey
 from kvhex.domain.tiers import Locality, Medium
 from kvhex.ports.host_buffer import HostBuffer
@@ -332,7 +332,7 @@ class NixlTierStore(FsspecTierStore):
 
     Args:
         host, capacity_bytes, name, namespace, medium, locality, io_threads: as for
-            :class:`~kvhex.adapters.fsspec.FsspecTierStore`.
+            :class:`~kvhex.adapters.storage.fsspec.FsspecTierStore`.
         url: a local directory (POSIX backend) or ``s3://bucket/prefix`` (OBJ backend).
         endpoint_url, access_key, secret_key, region: the object store (OBJ only); the
             bucket must exist.

@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from kvhex.adapters.blocks import HEADER_AREA, namespace_digest
-from kvhex.adapters.fsspec import FsspecTierStore
 from kvhex.adapters.memory import MemoryHostBuffer
+from kvhex.adapters.storage.format import HEADER_AREA, namespace_digest
+from kvhex.adapters.storage.fsspec import FsspecTierStore
 from kvhex.domain import JobKind, Removed, Stored
 from kvhex.errors import TierUnavailable
 from kvhex.ports.host_buffer import HostBuffer
@@ -214,7 +214,7 @@ def test_restart_into_a_smaller_capacity_evicts_the_oldest(
 
 CRASHING_WRITER = """
 import os, sys
-from kvhex.adapters.fsspec import FsspecTierStore
+from kvhex.adapters.storage.fsspec import FsspecTierStore
 from kvhex.adapters.memory import MemoryHostBuffer
 from kvhex.domain import JobId, JobKind, TierJob, make_offload_key
 

@@ -11,11 +11,11 @@ from typing import Any
 import msgspec
 import pytest
 
-from kvhex.adapters import wire
+from kvhex.adapters.events import wire
 from kvhex.domain import events as domain
 from tests.fixtures.wire.cases import CASES
 
-GOLDEN = json.loads((Path(__file__).parent.parent / "fixtures/wire/golden.json").read_text())
+GOLDEN = json.loads((Path(__file__).parents[3] / "tests/fixtures/wire/golden.json").read_text())
 
 KINDS: dict[str, Any] = {
     "BlockStored": domain.BlockStored,

@@ -14,11 +14,11 @@ import pytest
 import structlog
 import zmq
 
-from kvhex.adapters.jsonl import JsonlEventSink
-from kvhex.adapters.log import StructlogEventSink
+from kvhex.adapters.events.jsonl import JsonlEventSink
+from kvhex.adapters.events.log import StructlogEventSink
+from kvhex.adapters.events.wire import decode_batch
+from kvhex.adapters.events.zmq import ZmqEventSink, offset_endpoint
 from kvhex.adapters.memory import MemoryEventSink
-from kvhex.adapters.wire import decode_batch
-from kvhex.adapters.zmq import ZmqEventSink, offset_endpoint
 from kvhex.domain import Medium, TierIdentity
 from kvhex.domain.events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch, Removed
 from kvhex.errors import ConfigError

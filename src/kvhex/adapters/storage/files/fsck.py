@@ -1,6 +1,6 @@
 """Read-only verification of a local file tier's root (what ``kvhex fsck`` runs).
 
-For each namespace directory under the root (see :mod:`kvhex.adapters.slabs` for the
+For each namespace directory under the root (see :mod:`kvhex.adapters.storage.files.slabs` for the
 layout) it checks that ``config.json`` is readable, names this layout version and hashes to
 the directory's name; that every row of the index points at an existing slab and slot whose
 header names the row's key and whose payload matches the header's checksum; and it reports
@@ -38,7 +38,8 @@ from typing import Any
 
 import attrs
 
-from kvhex.adapters.blocks import (
+from kvhex.adapters.storage.files.slabs import INDEX, KNOWN_ENTRIES, SLAB_DIR, is_slab_id
+from kvhex.adapters.storage.format import (
     CONFIG,
     HEADER,
     HEADER_AREA,
@@ -47,7 +48,6 @@ from kvhex.adapters.blocks import (
     header_matches,
     namespace_digest,
 )
-from kvhex.adapters.slabs import INDEX, KNOWN_ENTRIES, SLAB_DIR, is_slab_id
 from kvhex.domain.keys import OffloadKey
 
 __all__ = [

@@ -1,8 +1,8 @@
 """Local file tiers: positional IO into preallocated slab files, published through a shared
-SQLite index (what :class:`~kvhex.adapters.fsspec.FsspecTierStore` and the NIXL POSIX tier
+SQLite index (what :class:`~kvhex.adapters.storage.fsspec.FsspecTierStore` and the NIXL POSIX tier
 use on a local root).
 
-Layout under the namespace directory (see :mod:`kvhex.adapters.blocks` for the block
+Layout under the namespace directory (see :mod:`kvhex.adapters.storage.format` for the block
 format)::
 
     config.json         what makes blocks compatible, recorded
@@ -43,7 +43,7 @@ from typing import Any
 
 import structlog
 
-from kvhex.adapters.blocks import (
+from kvhex.adapters.storage.format import (
     CONFIG,
     HEADER,
     HEADER_AREA,

@@ -9,8 +9,8 @@ import hashlib
 import time
 from pathlib import Path
 
-from kvhex.adapters.fsspec import FsspecTierStore
 from kvhex.adapters.memory import MemoryEventSink, MemoryHostBuffer
+from kvhex.adapters.storage.fsspec import FsspecTierStore
 from kvhex.domain import BlockStored, LookupResult, LruPolicy, PrimaryTier, ReqContext
 from kvhex.domain.geometry import KvGeometry, KvGroup
 from kvhex.domain.translate import EventTranslator

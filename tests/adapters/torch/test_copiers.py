@@ -17,7 +17,13 @@ from kvhex.adapters.torch.direct import DirectCopier
 from kvhex.adapters.torch.staging import StagedCopier, Staging, block_bytes
 from kvhex.adapters.torch.workers import CopyWorkers
 from kvhex.domain import JobId, SlotLayout, TransferJob, TransferKind
-from tests.adapters.torch_kv import ALLOCATIONS, HOSTS, StridedHost, allocate, check_round_trip
+from tests.adapters.torch.torch_kv import (
+    ALLOCATIONS,
+    HOSTS,
+    StridedHost,
+    allocate,
+    check_round_trip,
+)
 from tests.domain.transfers import Layout, jobs, layouts
 
 STORE, LOAD = TransferKind.STORE, TransferKind.LOAD

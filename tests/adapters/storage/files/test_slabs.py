@@ -13,9 +13,9 @@ from typing import Any
 
 import pytest
 
-from kvhex.adapters.blocks import HEADER_AREA, MAGIC, header_matches
 from kvhex.adapters.memory import MemoryHostBuffer
-from kvhex.adapters.slabs import SLAB_DIR, SlabIo
+from kvhex.adapters.storage.files.slabs import SLAB_DIR, SlabIo
+from kvhex.adapters.storage.format import HEADER_AREA, MAGIC, header_matches
 from kvhex.domain import OffloadKey
 from tests.adapters.jobs import key
 

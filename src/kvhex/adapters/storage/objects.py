@@ -1,7 +1,7 @@
 """Object-store tiers: one object per block through any fsspec filesystem (s3fs for S3), what
-:class:`~kvhex.adapters.fsspec.FsspecTierStore` uses on a non-local root.
+:class:`~kvhex.adapters.storage.fsspec.FsspecTierStore` uses on a non-local root.
 
-Layout under the namespace prefix (see :mod:`kvhex.adapters.blocks` for the block format)::
+Layout under the namespace prefix (see :mod:`kvhex.adapters.storage.format` for the block format)::
 
     config.json
     <k0k1>/<key hex>.blk
@@ -16,7 +16,7 @@ import contextlib
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from kvhex.adapters.blocks import CONFIG, HEADER_AREA, Located, pack_header, safe_error
+from kvhex.adapters.storage.format import CONFIG, HEADER_AREA, Located, pack_header, safe_error
 from kvhex.domain.keys import OffloadKey
 
 __all__ = ["SUFFIX", "ObjectIo"]

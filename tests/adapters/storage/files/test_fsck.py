@@ -1,5 +1,5 @@
-"""``kvhex.adapters.fsck`` on real file tiers written by ``FsspecTierStore``: clean roots, each
-kind of damage, harmless leftovers, bad roots, that it changes nothing, and that its verdict
+"""``kvhex.adapters.storage.files.fsck`` on real file tiers written by ``FsspecTierStore``:
+clean roots, each kind of damage, harmless leftovers, bad roots, that it changes nothing, and that its verdict
 matches what the tier itself serves."""
 
 from __future__ import annotations
@@ -16,13 +16,13 @@ from pathlib import Path
 
 import pytest
 
-from kvhex.adapters.blocks import HEADER_AREA, namespace_digest
-from kvhex.adapters.fsck import Finding, FsckReport, NamespaceReport, check_root
-from kvhex.adapters.fsspec import FsspecTierStore
 from kvhex.adapters.memory import MemoryHostBuffer
+from kvhex.adapters.storage.files.fsck import Finding, FsckReport, NamespaceReport, check_root
+from kvhex.adapters.storage.format import HEADER_AREA, namespace_digest
+from kvhex.adapters.storage.fsspec import FsspecTierStore
 from kvhex.domain import JobKind
 from tests.adapters.jobs import key, run
-from tests.adapters.test_fsspec_local import CRASHING_WRITER
+from tests.adapters.storage.files.test_file_tier import CRASHING_WRITER
 
 SLOT = 4096
 NS = {"model": "tiny-llama", "blocks_per_chunk": 1, "dtype": "float16"}

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from kvhex.adapters.blocks import HEADER_AREA
 from kvhex.adapters.memory import MemoryHostBuffer
-from kvhex.adapters.nixl import NixlTierStore
+from kvhex.adapters.storage.format import HEADER_AREA
+from kvhex.adapters.storage.nixl import NixlTierStore
 from kvhex.domain import JobId, JobKind, Removed, Stored, TierJob
 from kvhex.ports.host_buffer import HostBuffer
 from kvhex.ports.tier_store import TierStore

@@ -1,6 +1,7 @@
 """A secondary tier on any fsspec filesystem: local files (slab files with a shared index,
-:mod:`kvhex.adapters.slabs`) or object stores (one object per block,
-:mod:`kvhex.adapters.objects`), both in the block format of :mod:`kvhex.adapters.blocks`.
+:mod:`kvhex.adapters.storage.files.slabs`) or object stores (one object per block,
+:mod:`kvhex.adapters.storage.objects`), both in the block format of
+:mod:`kvhex.adapters.storage.format`.
 
 Layout under the configured root::
 
@@ -40,7 +41,8 @@ from typing import Any
 
 import structlog
 
-from kvhex.adapters.blocks import (
+from kvhex.adapters.storage.files.slabs import SlabIo
+from kvhex.adapters.storage.format import (
     CONFIG,
     HEADER_AREA,
     LAYOUT_VERSION,
@@ -48,8 +50,7 @@ from kvhex.adapters.blocks import (
     namespace_digest,
     safe_error,
 )
-from kvhex.adapters.objects import ObjectIo
-from kvhex.adapters.slabs import SlabIo
+from kvhex.adapters.storage.objects import ObjectIo
 from kvhex.domain.events import Removed, Stored, TierEvent
 from kvhex.domain.jobs import JobKind, JobResult, TierJob
 from kvhex.domain.keys import OffloadKey
