@@ -1,6 +1,6 @@
 """``kvhex.adapters.storage.files.fsck`` on real file tiers written by ``FsspecTierStore``:
-clean roots, each kind of damage, harmless leftovers, bad roots, that it changes nothing, and that its verdict
-matches what the tier itself serves."""
+clean roots, each kind of damage, harmless leftovers, bad roots, that it changes nothing, and
+that its verdict matches what the tier itself serves."""
 
 from __future__ import annotations
 
