@@ -2,8 +2,9 @@
 
 A thin front of :func:`kvhex.adapters.storage.files.fsck.check_root` (which says what is
 checked and how it stays read-only). Exit status: 0 when every namespace is clean (orphans,
-unfinished slabs and foreign files are reported but harmless), 1 when a block is corrupt or missing or a namespace
-has a problem, 2 when ROOT cannot be checked at all (missing, not a directory) or a flag is bad.
+unfinished slabs and foreign files are reported but harmless), 1 when a block is corrupt or
+missing or a namespace has a problem, 2 when ROOT cannot be checked at all (missing, not a
+directory) or a flag is bad.
 """
 
 from __future__ import annotations
