@@ -29,6 +29,7 @@ from kvhex.domain.policies import ArcPolicy, EvictionPolicy, LruPolicy, PolicyFa
 from kvhex.domain.primary import PrimaryStats, PrimaryTier, StorePlan
 from kvhex.domain.provenance import MmFeature, Provenance
 from kvhex.domain.request import ReqContext
+from kvhex.domain.residency import Reservation, Residency, Snapshot
 from kvhex.domain.slot_layout import ByteRange, ChunkRun, SlotLayout
 from kvhex.domain.tiers import (
     Locality,
@@ -76,7 +77,10 @@ __all__ = [
     "PublicEvent",
     "Removed",
     "ReqContext",
+    "Reservation",
+    "Residency",
     "SlotLayout",
+    "Snapshot",
     "StorePlan",
     "Stored",
     "TierEvent",

@@ -1,14 +1,21 @@
-"""``MemoryTierStore``: a secondary tier in host memory that keeps real bytes."""
+"""``MemoryTierStore``: a secondary tier in host memory that keeps real bytes.
+
+A real tier in miniature, on the same residency core as the storage tiers
+(:class:`~kvhex.domain.residency.Residency`): a byte capacity with LRU eviction announced
+before the stores that take the room, jobs that finish on a later ``poll`` (in submission
+order), any number of jobs on one key in flight, and deterministic faults.
+"""
 
 from __future__ import annotations
 
 import time
-from collections import OrderedDict, deque
+from collections import deque
 from collections.abc import Sequence
 
-from kvhex.domain.events import Removed, Stored, TierEvent
+from kvhex.domain.events import TierEvent
 from kvhex.domain.jobs import JobKind, JobResult, TierJob
 from kvhex.domain.keys import OffloadKey
+from kvhex.domain.residency import Reservation, Residency, Snapshot
 from kvhex.domain.tiers import Locality, Medium, TierIdentity
 from kvhex.errors import TierUnavailable
 from kvhex.ports.host_buffer import HostBuffer
@@ -17,11 +24,12 @@ __all__ = ["MemoryTierStore"]
 
 
 class _Queued:
-    __slots__ = ("job", "polls_left", "submitted")
+    __slots__ = ("job", "polls_left", "state", "submitted")
 
-    def __init__(self, job: TierJob, polls_left: int) -> None:
+    def __init__(self, job: TierJob, polls_left: int, state: Reservation | Snapshot | None) -> None:
         self.job = job
         self.polls_left = polls_left
+        self.state = state  # a put's reservation, a get's pinned snapshot
         self.submitted = time.perf_counter()
 
 
@@ -30,8 +38,8 @@ class MemoryTierStore:
 
     Args:
         host: the buffer whose slots jobs name.
-        capacity_bytes: bytes the tier may hold; least recently used blocks are evicted (and
-            announced) to make room.
+        capacity_bytes: bytes the tier may hold (at least one slot); least recently used
+            blocks are evicted (and announced) to make room.
         name: the ownership name announced in events and used in stats.
         medium: the medium announced (default ``STORAGE``).
         locality: announced locality (default ``LOCAL``).
@@ -48,19 +56,16 @@ class MemoryTierStore:
         locality: Locality | None = Locality.LOCAL,
         complete_after_polls: int = 1,
     ) -> None:
-        if capacity_bytes <= 0:
-            raise ValueError(f"capacity_bytes must be > 0, got {capacity_bytes}")
         if complete_after_polls < 1:
             raise ValueError(f"complete_after_polls must be >= 1, got {complete_after_polls}")
         self._host = host
         self.capacity_bytes = capacity_bytes
         self._identity = TierIdentity(medium, locality, name)
+        self._index = Residency(self._identity, capacity_bytes, host.slot_bytes)
         self.complete_after_polls = complete_after_polls
-        self._blocks: OrderedDict[OffloadKey, bytes] = OrderedDict()
-        self._used = 0
+        self._blocks: dict[OffloadKey, bytes] = {}  # exactly the readable keys
         self._queue: deque[_Queued] = deque()
         self._results: list[JobResult] = []
-        self._events: list[TierEvent] = []
         self._fail_puts = 0
         self._fail_gets = 0
         self._fail_probes = 0
@@ -96,23 +101,30 @@ class MemoryTierStore:
         return self._identity
 
     def submit_put(self, job: TierJob) -> None:
-        """Queue a put; it runs when a later poll reaches it."""
-        self._enqueue(job, JobKind.PUT)
+        """Reserve room (evicting and announcing now) and queue the copy."""
+        self._check(job, JobKind.PUT)
+        reservation = self._index.reserve(job.keys, job.ctx)
+        if reservation is not None:
+            for victim in reservation.victims:
+                del self._blocks[victim]
+        self._queue.append(_Queued(job, self.complete_after_polls, reservation))
 
     def submit_get(self, job: TierJob) -> None:
-        """Queue a get."""
-        self._enqueue(job, JobKind.GET)
+        """Pin the readable keys and queue the copy."""
+        self._check(job, JobKind.GET)
+        snapshot = self._index.snapshot(job.keys, pin=True)
+        self._queue.append(_Queued(job, self.complete_after_polls, snapshot))
 
     def submit_probe(self, job: TierJob) -> None:
         """Queue a probe."""
-        self._enqueue(job, JobKind.PROBE)
+        self._check(job, JobKind.PROBE)
+        self._queue.append(_Queued(job, self.complete_after_polls, None))
 
-    def _enqueue(self, job: TierJob, kind: JobKind) -> None:
+    def _check(self, job: TierJob, kind: JobKind) -> None:
         if self._closed:
             raise TierUnavailable("closed", tier=self._identity.ownership or "memory")
         if job.kind is not kind:
             raise ValueError(f"job {job.job_id} is a {job.kind.value}, not a {kind.value}")
-        self._queue.append(_Queued(job, self.complete_after_polls))
 
     def poll(self) -> list[JobResult]:
         """Run every queued job whose poll count is reached, in submission order."""
@@ -129,32 +141,30 @@ class MemoryTierStore:
             self._run(self._queue.popleft())
 
     def close(self) -> None:
-        """Fail queued jobs (reported by the next poll); refuse new ones. Idempotent."""
+        """Fail queued jobs (reported by the next poll, their room released); refuse new
+        ones. Idempotent."""
         while self._queue:
-            job = self._queue.popleft().job
-            self._results.append(JobResult(job.job_id, False, error="tier closed"))
+            entry = self._queue.popleft()
+            self._settle(entry, ())
+            self._results.append(JobResult(entry.job.job_id, False, error="tier closed"))
         self._closed = True
 
     def delete(self, keys: Sequence[OffloadKey]) -> None:
-        """Remove ``keys`` that are present and announce them."""
-        gone = [k for k in keys if k in self._blocks]
-        for key in gone:
-            self._used -= len(self._blocks.pop(key))
-        if gone:
-            self._events.append(Removed(tuple(gone), self._identity))
+        """Remove ``keys`` that are readable (each once) and announce them."""
+        for key in self._index.delete(keys):
+            del self._blocks[key]
 
     def take_events(self) -> list[TierEvent]:
         """Events since the last call."""
-        events, self._events = self._events, []
-        return events
+        return self._index.take_events()
 
     # -- introspection for tests ---------------------------------------------------------
     def __contains__(self, key: object) -> bool:
-        return key in self._blocks
+        return key in self._index
 
     def keys(self) -> list[OffloadKey]:
-        """Resident keys, least recently used first."""
-        return list(self._blocks)
+        """Readable keys, in the order they became readable."""
+        return self._index.keys()
 
     def block(self, key: OffloadKey) -> bytes | None:
         """The stored bytes of ``key``."""
@@ -162,8 +172,8 @@ class MemoryTierStore:
 
     @property
     def used_bytes(self) -> int:
-        """Bytes held."""
-        return self._used
+        """Bytes held or reserved by puts in flight."""
+        return self._index.used_bytes
 
     # -- execution -----------------------------------------------------------------------
     def _run(self, entry: _Queued) -> None:
@@ -171,56 +181,51 @@ class MemoryTierStore:
         measured = time.perf_counter() - entry.submitted
         seconds = self._latency_s if self._latency_s is not None else measured
         if job.kind is JobKind.PUT:
-            result = self._put(job)
+            result = self._put(job, entry.state)
         elif job.kind is JobKind.GET:
-            result = self._get(job)
+            result = self._get(job, entry.state)
         else:
             result = self._probe(job)
         self._results.append(result._replace(seconds=seconds))
 
-    def _put(self, job: TierJob) -> JobResult:
+    def _settle(self, entry: _Queued, ok: Sequence[OffloadKey]) -> None:
+        """Hand a job's reservation or pins back to the index (``ok``: what it wrote/read)."""
+        if isinstance(entry.state, Reservation):
+            self._index.commit(entry.state, ok)
+        elif isinstance(entry.state, Snapshot):
+            self._index.release(entry.state, ok, ctx=entry.job.ctx)
+
+    def _put(self, job: TierJob, reservation: Reservation | Snapshot | None) -> JobResult:
+        if not isinstance(reservation, Reservation):
+            return JobResult(job.job_id, False, error="the job does not fit the tier's capacity")
         if self._fail_puts:
             self._fail_puts -= 1
+            self._index.commit(reservation, ())
             return JobResult(job.job_id, False, error="injected put failure")
-        blocks = self._blocks
-        new = [(k, s) for k, s in zip(job.keys, job.slots, strict=True) if k not in blocks]
-        for key in job.keys:
-            if key in blocks:
-                blocks.move_to_end(key)
-        need = len(new) * self._host.slot_bytes
-        if need > self.capacity_bytes:
-            return JobResult(job.job_id, False, error="job larger than tier capacity")
-        evicted = []
-        protected = set(job.keys)
-        while self._used + need > self.capacity_bytes:
-            victim = next(k for k in blocks if k not in protected)
-            self._used -= len(blocks.pop(victim))
-            evicted.append(victim)
-        if evicted:
-            self._events.append(Removed(tuple(evicted), self._identity))
-        for key, slot in new:
-            data = bytes(self._host.slot_view(slot))
-            blocks[key] = data
-            self._used += len(data)
-        if new:
-            self._events.append(Stored(tuple(k for k, _ in new), self._identity, job.ctx))
-        return JobResult(job.job_id, True, nbytes=need)
+        owned = set(reservation.owned)
+        for key, slot in zip(job.keys, job.slots, strict=True):
+            if key in owned:
+                self._blocks[key] = bytes(self._host.slot_view(slot))
+        self._index.commit(reservation, reservation.owned)
+        return JobResult(job.job_id, True, nbytes=len(owned) * self._host.slot_bytes)
 
-    def _get(self, job: TierJob) -> JobResult:
+    def _get(self, job: TierJob, snapshot: Reservation | Snapshot | None) -> JobResult:
+        assert isinstance(snapshot, Snapshot)
         if self._fail_gets:
             self._fail_gets -= 1
+            self._index.release(snapshot)
             return JobResult(job.job_id, False, error="injected get failure")
         allowed = self._partial_gets.popleft() if self._partial_gets else None
-        ok: set[OffloadKey] = set()
+        ok: list[OffloadKey] = []
         nbytes = 0
         for key, slot in zip(job.keys, job.slots, strict=True):
             data = self._blocks.get(key)
             if data is None or (allowed is not None and key not in allowed):
                 continue
             self._host.slot_view(slot)[:] = data
-            self._blocks.move_to_end(key)
-            ok.add(key)
+            ok.append(key)
             nbytes += len(data)
+        self._index.release(snapshot, ok, ctx=job.ctx)
         if len(ok) == len(job.keys):
             return JobResult(job.job_id, True, nbytes=nbytes)
         missing = len(job.keys) - len(ok)
