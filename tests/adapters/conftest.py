@@ -4,11 +4,16 @@ server on 127.0.0.1 with a random port, started by the fixtures; buckets made by
 from __future__ import annotations
 
 import contextlib
+import json
 import os
+import socket
+import subprocess
+import sys
 import uuid
 from collections.abc import Iterator
 from typing import Any
 
+import attrs
 import pytest
 
 CREDENTIALS = {"key": "kvhex-test-key", "secret": "kvhex-test-secret"}
@@ -57,3 +62,102 @@ def private_s3_server() -> Iterator[Any]:
     yield server
     with contextlib.suppress(Exception):  # the test may have stopped it already
         server.stop()
+
+
+AUTH_BUCKET = "kvhex-auth"
+
+_AUTH_SERVER = """
+import json, os, sys
+from urllib.parse import quote
+
+os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")
+import boto3
+from moto import settings
+from moto.iam import access_control
+from moto.server import ThreadedMotoServer
+
+verify = access_control.IAMRequestBase.__init__
+
+
+def verify_encoded(self, *args, path, **kwargs):
+    # moto checks signatures against werkzeug's decoded URL: re-encode the query values as
+    # botocore signed them, or no listing with a prefix verifies (getmoto/moto#5948)
+    base, _, query = path.partition("?")
+    pairs = [pair.partition("=") for pair in query.split("&")] if query else []
+    query = "&".join(f"{quote(k, safe='-_.~')}={quote(v, safe='-_.~')}" for k, _, v in pairs)
+    verify(self, *args, path=f"{base}?{query}" if query else base, **kwargs)
+
+
+access_control.IAMRequestBase.__init__ = verify_encoded
+server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+server.start()
+endpoint = "http://127.0.0.1:%d" % server.get_host_and_port()[1]
+setup = {"endpoint_url": endpoint, "aws_access_key_id": "x", "aws_secret_access_key": "x"}
+iam = boto3.client("iam", **setup)
+boto3.client("s3", **setup).create_bucket(Bucket=sys.argv[1])
+keys = {}
+for user, actions in json.loads(sys.argv[2]).items():
+    iam.create_user(UserName=user)
+    allow = {"Effect": "Allow", "Action": actions, "Resource": "*"}
+    policy = json.dumps({"Version": "2012-10-17", "Statement": [allow]})
+    iam.put_user_policy(UserName=user, PolicyName="kvhex", PolicyDocument=policy)
+    made = iam.create_access_key(UserName=user)["AccessKey"]
+    keys[user] = {"key": made["AccessKeyId"], "secret": made["SecretAccessKey"]}
+settings.INITIAL_NO_AUTH_ACTION_COUNT = 0  # from here on every request is authenticated
+print(json.dumps({"endpoint": endpoint, "keys": keys}), flush=True)
+sys.stdin.read()  # until the tests end
+"""
+"""An S3 server that checks credentials and IAM policies, in a process of its own: moto's
+switch for that (``INITIAL_NO_AUTH_ACTION_COUNT``) and its IAM users are process-wide, and
+the other tests' server must keep accepting any key. Made before the switch: the bucket
+``argv[1]`` and one IAM user per entry of ``argv[2]`` (user name -> allowed actions)."""
+
+
+@attrs.frozen
+class AuthS3:
+    """The credential-checking server: its endpoint, its one bucket, and per IAM user
+    (``admin``: every action; ``no-list``: objects only, no listing) its credentials as
+    s3fs options (``key``, ``secret``)."""
+
+    endpoint: str
+    bucket: str
+    users: dict[str, dict[str, str]]
+
+
+@pytest.fixture(scope="session")
+def s3_auth_server() -> Iterator[AuthS3]:
+    users = {"admin": ["*"], "no-list": ["s3:GetObject", "s3:PutObject", "s3:DeleteObject"]}
+    env = {**os.environ, "AWS_DEFAULT_REGION": "us-east-1"}
+    server = subprocess.Popen(
+        [sys.executable, "-c", _AUTH_SERVER, AUTH_BUCKET, json.dumps(users)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        env=env,
+    )
+    assert server.stdin is not None
+    assert server.stdout is not None
+    try:
+        line = server.stdout.readline()
+        if not line:
+            pytest.fail("the credential-checking S3 server did not start")
+        info = json.loads(line)
+        yield AuthS3(info["endpoint"], AUTH_BUCKET, info["keys"])
+    finally:
+        server.stdin.close()  # it exits at the end of its input
+        try:
+            server.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            server.wait()
+        server.stdout.close()
+
+
+@pytest.fixture
+def dead_endpoint() -> Iterator[str]:
+    """An endpoint on loopback that refuses connections: a port held by a bound socket that
+    never listens, so no other process can take it meanwhile."""
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        yield f"http://127.0.0.1:{held.getsockname()[1]}"

@@ -50,6 +50,7 @@ from kvhex.adapters.storage.format import (
     namespace_digest,
     safe_error,
 )
+from kvhex.adapters.storage.object_errors import start_up_error
 from kvhex.adapters.storage.objects import ObjectIo
 from kvhex.domain.events import Removed, Stored, TierEvent
 from kvhex.domain.jobs import JobKind, JobResult, TierJob
@@ -81,8 +82,10 @@ class FsspecTierStore:
         storage_options: passed to fsspec (credentials never reach logs or events).
 
     Raises:
-        TierUnavailable: the root cannot be created or written, or holds a namespace whose
-            recorded configuration differs.
+        TierUnavailable: the root cannot be created, written or listed (on an object store
+            the message names the cause: no such bucket, an unknown access key id, a wrong
+            secret, access denied, an endpoint down), or holds a namespace whose recorded
+            configuration differs.
     """
 
     def __init__(
@@ -123,9 +126,7 @@ class FsspecTierStore:
             config = json.dumps({**ns, "layout_version": LAYOUT_VERSION}, sort_keys=True)
             recorded = self._io.write_config(CONFIG, config.encode())
         except Exception as exc:
-            raise TierUnavailable(
-                f"cannot use root {url!r}: {type(exc).__name__}: {safe_error(exc)}", tier=name
-            ) from exc
+            raise start_up_error(exc, url=url, tier=name) from exc
         if recorded is not None and json.loads(recorded) != json.loads(config):
             raise TierUnavailable(
                 f"namespace {digest} under {url!r} records another config", tier=name
@@ -148,7 +149,11 @@ class FsspecTierStore:
         self.corrupt_blocks = 0
         self.foreign_files = 0
         self.io_errors = 0
-        self._recover()
+        try:
+            self._recover()  # lists the root: refused, it is a start-up failure too
+        except Exception as exc:
+            self.close()
+            raise start_up_error(exc, url=url, tier=name) from exc
 
     def _make_io(self, fs: Any, base: str) -> Any:
         """The IO strategy for this filesystem (subclasses move the data path elsewhere)."""

@@ -8,6 +8,11 @@ Layout under the namespace prefix (see :mod:`kvhex.adapters.storage.format` for 
 
 Object writes are single ``PUT``s, atomic by nature; every instance lists the namespace at
 start-up.
+
+Start-up (:meth:`ObjectIo.prepare`, :meth:`~ObjectIo.write_config`,
+:meth:`~ObjectIo.inventory`) raises what the store raised, for the tier to name
+(:func:`kvhex.adapters.storage.object_errors.start_up_error`); at run time a failed call is
+a failed job whose error names the cause (:func:`~kvhex.adapters.storage.object_errors.job_error`).
 """
 
 from __future__ import annotations
@@ -16,7 +21,8 @@ import contextlib
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from kvhex.adapters.storage.format import CONFIG, HEADER_AREA, Located, pack_header, safe_error
+from kvhex.adapters.storage.format import CONFIG, HEADER_AREA, Located, pack_header
+from kvhex.adapters.storage.object_errors import job_error
 from kvhex.domain.keys import OffloadKey
 
 __all__ = ["SUFFIX", "ObjectIo"]
@@ -48,14 +54,29 @@ class ObjectIo:
     def __init__(self, fs: Any, root: str) -> None:
         self.fs = fs
         self.root = root
+        self.url = fs.unstrip_protocol(root)
+        """The namespace as a URL (``s3://bucket/prefix/digest``), named in job errors."""
 
     def path(self, key: OffloadKey) -> str:
         h = key.hex()
         return f"{self.root}/{h[:2]}/{h}{SUFFIX}"
 
     def prepare(self) -> None:
-        bucket = self.root.split("/", 1)[0]
-        if not self.fs.exists(bucket):
+        """Check that the bucket exists and the namespace can be listed (the tier lists it
+        at start-up and on probes); never creates the bucket.
+
+        Raises:
+            FileNotFoundError: the bucket does not exist.
+            Exception: what the store raised (s3fs: a built-in error whose chain holds
+                botocore's error code or the connection error).
+        """
+        bucket, _, prefix = self.root.partition("/")
+        call_s3 = getattr(self.fs, "call_s3", None)
+        if call_s3 is not None:
+            # s3fs: one small listing, whose error names its cause (a HEAD's error has no
+            # body, and `exists` answers False whatever went wrong)
+            call_s3("list_objects_v2", Bucket=bucket, Prefix=prefix + "/", MaxKeys=1)
+        elif not self.fs.exists(bucket):
             raise FileNotFoundError(f"bucket or root {bucket!r} does not exist")
 
     def write_config(self, name: str, data: bytes) -> bytes | None:
@@ -102,7 +123,7 @@ class ObjectIo:
             self.fs.pipe(payload)
         except Exception as exc:
             # the batch is all or nothing from here: find out what actually landed
-            error = f"{type(exc).__name__}: {safe_error(exc)}"
+            error = job_error(exc, self.url)
             try:
                 landed = self.exists_many([key for key, _ in items])
             except Exception:
@@ -114,14 +135,17 @@ class ObjectIo:
         if not items:
             return []
         paths = [self.path(key) for key, _ in items]
-        got = self.fs.cat(paths, on_error="return")
+        try:
+            got = self.fs.cat(paths, on_error="return")
+        except Exception as exc:
+            raise OSError(job_error(exc, self.url)) from exc
         out: list[bytes | None] = []
         for path, (_, view) in zip(paths, items, strict=True):
             data = got.get(path)
             if data is None or isinstance(data, FileNotFoundError):
                 out.append(None)
             elif isinstance(data, BaseException):
-                raise data
+                raise OSError(job_error(data, self.url)) from data
             elif len(data) != HEADER_AREA + len(view):
                 out.append(b"")
             else:
@@ -135,8 +159,17 @@ class ObjectIo:
         return True
 
     def exists_many(self, keys: list[OffloadKey]) -> set[OffloadKey]:
+        """Which of ``keys`` have a block.
+
+        Raises:
+            OSError: the store failed; the message names the cause.
+        """
         by_path = {self.path(k): k for k in keys}
-        return {by_path[p] for p in self._exists_paths(list(by_path))}
+        try:
+            found = self._exists_paths(list(by_path))
+        except Exception as exc:
+            raise OSError(job_error(exc, self.url)) from exc
+        return {by_path[p] for p in found}
 
     def _exists_paths(self, paths: list[str]) -> set[str]:
         by_prefix: dict[str, list[str]] = {}
