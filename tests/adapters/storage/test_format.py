@@ -10,12 +10,14 @@ from pathlib import Path
 import pytest
 import xxhash
 
+from kvhex.adapters.storage.block_io import write_fully
 from kvhex.adapters.storage.format import (
     HEADER_AREA,
+    Verdict,
     checksum,
     header_matches,
     pack_header,
-    write_fully,
+    verify,
 )
 from tests.adapters.jobs import key
 
@@ -36,6 +38,19 @@ def test_a_header_verifies_its_key_length_and_payload() -> None:
     assert not header_matches(header[:-1], key(1), payload)
     payload[12345] ^= 1
     assert not header_matches(header, key(1), payload)
+
+
+def test_a_read_is_missing_where_another_block_is_and_corrupt_where_its_own_is_damaged() -> None:
+    payload = memoryview(bytearray(os.urandom(8192)))
+    header = pack_header(key(1), payload)
+    assert verify(header, key(1), payload) is Verdict.OK
+    assert verify(None, key(1), payload) is Verdict.MISSING
+    assert verify(pack_header(key(2), payload), key(1), payload) is Verdict.MISSING
+    assert verify(bytes(8) + header[8:], key(1), payload) is Verdict.MISSING  # unmarked
+    assert verify(b"", key(1), payload) is Verdict.CORRUPT  # cut short
+    assert verify(b"XXXXXXXX" + header[8:], key(1), payload) is Verdict.CORRUPT
+    payload[0] ^= 1
+    assert verify(header, key(1), payload) is Verdict.CORRUPT
 
 
 def test_a_short_vectored_write_is_finished(

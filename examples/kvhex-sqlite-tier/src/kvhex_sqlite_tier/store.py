@@ -5,13 +5,16 @@ through it). Each duty of kvhex's ``TierStore`` port maps to one piece of this m
 
 * **Submits never block.** ``submit_*`` only queue the job on a small thread pool. SQLite
   has one writer at a time, so one lock serialises the database together with what must
-  change with it: the index of readable keys, least recently used first.
+  change with it: kvhex's residency index (``kvhex.domain.Residency``: which keys are
+  readable, least recently used first, the byte capacity, which blocks to evict, and the
+  events), so this tier writes none of that bookkeeping itself.
 * **Each result exactly once.** A worker posts its job's one result to an outbox before it
   finishes, even if the work raised; ``poll`` hands the outbox over and empties it.
-* **The tier owns its events.** ``Stored(keys, identity, job.ctx)`` once the transaction that
-  made ``keys`` readable committed, only for keys not readable before; ``Removed`` for every
-  key that stops being readable (eviction, ``delete``, corruption), before the ``Stored``
-  that takes its room; nothing for a failure.
+* **The tier owns its events.** The residency announces ``Stored(keys, identity, job.ctx)``
+  once the transaction that made ``keys`` readable committed, only for keys not readable
+  before; ``Removed`` for every key that stops being readable (eviction, ``delete``,
+  corruption), before the ``Stored`` that takes its room; nothing for a failure. They are
+  moved to the outbox under the lock, so ``take_events`` never waits for a transaction.
 * **Never serve corrupt bytes.** Each block is stored with its BLAKE2b digest and checked on
   every read; a block that fails fails its load, is deleted and its removal announced.
 * **Restart.** Blocks already in the file are announced once, as ``Stored`` without a request
@@ -30,8 +33,7 @@ import os
 import sqlite3
 import threading
 import time
-from collections import OrderedDict
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import Any
@@ -42,8 +44,7 @@ from kvhex.domain import (
     Locality,
     Medium,
     OffloadKey,
-    Removed,
-    Stored,
+    Residency,
     TierEvent,
     TierIdentity,
     TierJob,
@@ -94,13 +95,15 @@ class SqliteTierStore:
         locality: Locality | None = Locality.LOCAL,
         io_threads: int = 2,
     ) -> None:
-        if capacity_bytes <= 0 or io_threads <= 0:
-            raise ValueError(f"need capacity_bytes, io_threads > 0: {capacity_bytes}, {io_threads}")
+        if io_threads <= 0:
+            raise ValueError(f"io_threads must be > 0, got {io_threads}")
         self._host = host
         self.capacity_bytes = capacity_bytes
         self._identity = TierIdentity(medium, locality, name)
-        self._index: OrderedDict[OffloadKey, int] = OrderedDict()  # key -> bytes, LRU first
-        self._used = 0
+        try:
+            self._index = Residency(self._identity, capacity_bytes, host.slot_bytes)
+        except ValueError as exc:
+            raise ValueError(f"capacity_bytes: {exc}") from None
         self._lock = threading.Lock()  # the database and the index, changed together
         self._out_lock = threading.Lock()  # the outbox: held only to append or swap a list
         self._events: list[TierEvent] = []
@@ -127,18 +130,20 @@ class SqliteTierStore:
             with db:
                 db.execute("INSERT OR IGNORE INTO meta VALUES ('config', ?)", (meta,))
             (recorded,) = db.execute("SELECT value FROM meta WHERE name = 'config'").fetchone()
-            rows = db.execute("SELECT key, length(data) FROM blocks ORDER BY rowid").fetchall()
+            if recorded != meta:
+                problem = f"{path} holds blocks of another namespace: {recorded}"
+                raise TierUnavailable(problem, tier=self._name)
+            rows = db.execute("SELECT key FROM blocks ORDER BY rowid").fetchall()  # oldest first
+            over = self._index.adopt(OffloadKey(key) for (key,) in rows)  # announced once
+            with db:  # what a smaller capacity no longer holds
+                db.executemany(_DELETE, [(k,) for k in over])
         except sqlite3.Error as exc:
             db.close()
             raise TierUnavailable(f"cannot use {path}: {exc}", tier=self._name) from exc
-        if recorded != meta:
+        except TierUnavailable:
             db.close()
-            problem = f"{path} holds blocks of another namespace: {recorded}"
-            raise TierUnavailable(problem, tier=self._name)
-        self._index.update((OffloadKey(key), size) for key, size in rows)  # oldest first
-        self._used = sum(self._index.values())  # over capacity? the next put evicts the rest
-        if self._index:
-            self._events.append(Stored(tuple(self._index), self._identity, None))
+            raise
+        self._events += self._index.take_events()
         return db
 
     # -- the TierStore port: called on the engine's scheduler thread ---------------------------
@@ -177,7 +182,7 @@ class SqliteTierStore:
         a running job's transaction (kvhex's manager never calls it on the hot path)."""
         self._check_open()
         with self._lock:
-            gone = [k for k in dict.fromkeys(keys) if k in self._index]
+            gone = self._index.readable(dict.fromkeys(keys))
             if not gone:
                 return
             try:
@@ -185,7 +190,8 @@ class SqliteTierStore:
                     self._db.executemany(_DELETE, [(k,) for k in gone])
             except sqlite3.Error as exc:
                 raise TierError(f"delete failed: {exc}", tier=self._name) from exc
-            self._forget(gone)
+            self._index.delete(gone)
+            self._publish()
 
     def drain(self) -> None:
         """Block until every submitted job has posted its result."""
@@ -224,35 +230,36 @@ class SqliteTierStore:
 
     def _put(self, job: TierJob) -> JobResult:
         """Write the blocks that are not readable yet, evicting least recently used ones."""
-        rows = []
+        data = {}
         for key, slot in zip(job.keys, job.slots, strict=True):
-            data = bytes(self._host.slot_view(slot))
-            rows.append((key, _digest(data), data))  # outside the lock: puts hash in parallel
+            view = bytes(self._host.slot_view(slot))
+            data[key] = (_digest(view), view)  # outside the lock: puts hash in parallel
         with self._lock:
-            new = [row for row in rows if row[0] not in self._index]
-            for key in job.keys:
-                if key in self._index:
-                    self._index.move_to_end(key)
-            need = sum(len(data) for _, _, data in new)
-            victims = self._victims(need, frozenset(job.keys))
-            if victims is None:
-                return JobResult(job.job_id, False, error=f"{need} bytes do not fit the tier")
-            with self._db:  # one transaction: all of it or, on an error, nothing
-                self._db.executemany(_DELETE, [(k,) for k in victims])
-                self._db.executemany("INSERT OR REPLACE INTO blocks VALUES (?, ?, ?)", new)
-            self._forget(victims)  # announced before the blocks that take their room
-            for key, _, data in new:
-                self._index[key] = len(data)
-                self._used += len(data)
-            if new:
-                self._announce(Stored(tuple(k for k, _, _ in new), self._identity, job.ctx))
-        return JobResult(job.job_id, True, nbytes=need)
+            reservation = self._index.reserve(job.keys, job.ctx)  # evictions announced
+            if reservation is None:
+                return JobResult(job.job_id, False, error="the job does not fit the tier")
+            new = [(k, *data[k]) for k in reservation.owned]
+            victims = [(k,) for k in reservation.victims]
+            try:
+                with self._db:  # one transaction: all of it or, on an error, nothing
+                    self._db.executemany(_DELETE, victims)
+                    self._db.executemany("INSERT OR REPLACE INTO blocks VALUES (?, ?, ?)", new)
+            except sqlite3.Error:
+                with self._db:  # the victims were announced gone: they must not stay
+                    self._db.executemany(_DELETE, victims)
+                self._index.commit(reservation, ())
+                self._publish()
+                raise
+            self._index.commit(reservation, reservation.owned)  # announced
+            self._publish()
+        return JobResult(job.job_id, True, nbytes=len(new) * self._host.slot_bytes)
 
     def _get(self, job: TierJob) -> JobResult:
         """Copy each block that passes its checksum; delete and announce the ones that fail."""
-        ok: set[OffloadKey] = set()
+        ok: list[OffloadKey] = []
         corrupt: list[OffloadKey] = []
         with self._lock:
+            seen = self._index.snapshot(job.keys)
             for key, slot in zip(job.keys, job.slots, strict=True):
                 row = self._db.execute("SELECT digest, data FROM blocks WHERE key = ?", (key,))
                 found = row.fetchone()
@@ -263,12 +270,12 @@ class SqliteTierStore:
                     corrupt.append(key)
                     continue
                 self._host.slot_view(slot)[:] = data
-                self._index.move_to_end(key)
-                ok.add(key)
+                ok.append(key)
             if corrupt:
                 with self._db:
                     self._db.executemany(_DELETE, [(k,) for k in corrupt])
-                self._forget(corrupt)
+            self._index.release(seen, ok, corrupt, job.ctx)  # touched; corrupt ones announced
+            self._publish()
         nbytes = len(ok) * self._host.slot_bytes
         if len(ok) == len(job.keys):
             return JobResult(job.job_id, True, nbytes=nbytes)
@@ -279,33 +286,16 @@ class SqliteTierStore:
         """The index is exactly the readable keys: it changes only with the file, under the
         same lock."""
         with self._lock:
-            found = frozenset(k for k in job.keys if k in self._index)
+            found = frozenset(self._index.readable(job.keys))
         return JobResult(job.job_id, True, found=found)
 
     # -- bookkeeping, under the lock ------------------------------------------------------------
-    def _victims(self, need: int, protected: Collection[OffloadKey]) -> list[OffloadKey] | None:
-        """Least recently used keys to drop so that ``need`` more bytes fit (``None``: they
-        cannot without dropping ``protected`` keys). Changes nothing."""
-        excess = self._used + need - self.capacity_bytes
-        victims = []
-        for key, size in self._index.items():
-            if excess <= 0:
-                break
-            if key not in protected:
-                victims.append(key)
-                excess -= size
-        return victims if excess <= 0 else None
-
-    def _forget(self, keys: Sequence[OffloadKey]) -> None:
-        """Drop ``keys`` (already deleted from the file) and announce their removal."""
-        for key in keys:
-            self._used -= self._index.pop(key)
-        if keys:
-            self._announce(Removed(tuple(keys), self._identity))
-
-    def _announce(self, event: TierEvent) -> None:
-        with self._out_lock:
-            self._events.append(event)
+    def _publish(self) -> None:
+        """Move the residency's events to the outbox (under the lock)."""
+        events = self._index.take_events()
+        if events:
+            with self._out_lock:
+                self._events += events
 
     def _check_open(self) -> None:
         if self._closed:

@@ -5,19 +5,21 @@ A block is a 4 KiB header area and the host slot's bytes (the payload)::
     magic "KVHXBLK1" | payload length (u64) | XXH3-64 of the payload (u64) | key length (u16)
     | the offload key | zero padding to 4096 bytes | payload
 
-Every read verifies all of it (:func:`header_matches`): a mismatch or a short read is a failed
-load, never served. Blocks live under ``ROOT/<namespace digest>/``, where the digest names
-what makes blocks compatible (:func:`namespace_digest`) and ``config.json`` records it.
+Every read verifies all of it (:func:`verify`): a header naming another key (a slot reused, a
+stale index row) is a missing block, a mismatch of anything else or a short read a corrupt
+one; neither is ever served. Blocks live under ``ROOT/<namespace digest>/``, where the digest
+names what makes blocks compatible (:func:`namespace_digest`) and ``config.json`` records it
+(:func:`namespace_config`).
 """
 
 from __future__ import annotations
 
+import enum
 import hashlib
 import json
-import os
 import struct
-from collections.abc import Mapping, Sequence
-from typing import Any
+from collections.abc import Mapping
+from typing import Any, NamedTuple
 
 import xxhash
 
@@ -29,17 +31,20 @@ __all__ = [
     "HEADER_AREA",
     "LAYOUT_VERSION",
     "MAGIC",
-    "Located",
+    "Header",
+    "Verdict",
     "checksum",
     "header_matches",
+    "namespace_config",
     "namespace_digest",
-    "oserror",
     "pack_header",
-    "safe_error",
-    "write_fully",
+    "parse_header",
+    "verify",
 ]
 
-LAYOUT_VERSION = 2
+LAYOUT_VERSION = 3
+"""3: NIXL's object tier writes one object per block, in this format (2 wrote a payload and a
+header object)."""
 MAGIC = b"KVHXBLK1"
 HEADER = struct.Struct(">8sQQH")  # magic, payload length, xxh3-64 of the payload, key length
 HEADER_AREA = 4096
@@ -51,14 +56,36 @@ _GIL_FREE_BYTES = 1 << 16
 """From this size on, payloads are hashed by xxhash's streaming API, which releases the GIL
 (the one-shot functions hold it): other IO threads and the scheduler run meanwhile."""
 
-Located = tuple[str, int]
-"""Where a block lives: a file or object, and the byte offset of its header."""
+
+class Verdict(enum.Enum):
+    """What a read found where a block should be."""
+
+    OK = "ok"
+    """The block, whole: header, key, length and checksum verified."""
+    MISSING = "missing"
+    """No block under that key there: nothing, an unmarked slot, or another key's block."""
+    CORRUPT = "corrupt"
+    """The key's block, damaged: cut short, a bad magic, length or checksum."""
+
+
+class Header(NamedTuple):
+    """A parsed block header."""
+
+    magic: bytes
+    length: int
+    digest: int
+    key: bytes
+
+
+def namespace_config(namespace: Mapping[str, Any]) -> bytes:
+    """What ``config.json`` records for ``namespace``: its canonical JSON with the layout
+    version."""
+    return json.dumps({**namespace, "layout_version": LAYOUT_VERSION}, sort_keys=True).encode()
 
 
 def namespace_digest(namespace: Mapping[str, Any]) -> str:
     """16 hex digits naming a namespace: blocks are shared only between identical ones."""
-    canonical = json.dumps({**namespace, "layout_version": LAYOUT_VERSION}, sort_keys=True)
-    return hashlib.sha256(canonical.encode()).hexdigest()[:16]
+    return hashlib.sha256(namespace_config(namespace)).hexdigest()[:16]
 
 
 def checksum(payload: memoryview | bytes) -> int:
@@ -76,6 +103,30 @@ def pack_header(key: OffloadKey, payload: memoryview) -> bytes:
     return (header + key).ljust(HEADER_AREA, b"\0")
 
 
+def parse_header(data: bytes) -> Header | None:
+    """The header at the start of ``data``, or ``None`` when ``data`` is too short to hold
+    one (the key is cut at the bytes present)."""
+    if len(data) < HEADER.size:
+        return None
+    magic, length, digest, key_len = HEADER.unpack_from(data)
+    return Header(magic, length, digest, bytes(data[HEADER.size : HEADER.size + key_len]))
+
+
+def verify(header: bytes | None, key: OffloadKey, payload: memoryview) -> Verdict:
+    """What a read that returned ``header`` (``None``: no block there; ``b""``: cut short)
+    and filled ``payload`` found under ``key``."""
+    if header is None:
+        return Verdict.MISSING
+    parsed = parse_header(header)
+    if parsed is None:
+        return Verdict.CORRUPT
+    if parsed.magic == MAGIC and parsed.key != key:
+        return Verdict.MISSING  # the slot holds another block: a stale place
+    if parsed.magic == bytes(len(MAGIC)):
+        return Verdict.MISSING  # an unmarked (freed) slot
+    return Verdict.OK if header_matches(header, key, payload) else Verdict.CORRUPT
+
+
 def header_matches(header: bytes, key: OffloadKey, payload: memoryview) -> bool:
     """True when ``header`` describes ``payload`` stored under ``key``, checksum included."""
     if len(header) != HEADER_AREA:
@@ -88,38 +139,3 @@ def header_matches(header: bytes, key: OffloadKey, payload: memoryview) -> bool:
         and header[HEADER.size : HEADER.size + key_len] == key
         and checksum(payload) == digest
     )
-
-
-def write_fully(fd: int, parts: Sequence[bytes | memoryview], offset: int) -> None:
-    """Write ``parts`` back to back at ``offset``: one ``pwritev``, finished piece by piece
-    after a short write.
-
-    Raises:
-        OSError: the write failed (a full disk, an IO error).
-    """
-    done = os.pwritev(fd, parts, offset)
-    for part in parts:
-        view = memoryview(part).cast("B")
-        if done >= len(view):
-            done -= len(view)
-            offset += len(view)
-            continue
-        view, offset, done = view[done:], offset + done, 0
-        while view:
-            written = os.pwrite(fd, view, offset)
-            offset += written
-            view = view[written:]
-
-
-def oserror(exc: OSError) -> str:
-    """The text of a failed job for ``exc``: its type and reason, no path."""
-    return f"{type(exc).__name__}: {exc.strerror or exc}"
-
-
-def safe_error(exc: BaseException) -> str:
-    """An error text without credentials (fsspec/botocore messages can echo options)."""
-    text = str(exc)
-    for marker in ("key=", "secret=", "token=", "aws_secret_access_key", "aws_access_key_id"):
-        if marker in text:
-            return type(exc).__name__
-    return text[:300]

@@ -1,21 +1,25 @@
 """A secondary tier whose bytes move through NIXL: the POSIX backend (files) or the OBJ
 backend (an S3-compatible object store).
 
-The bookkeeping (namespace layout, checksummed blocks, LRU capacity with announced
-evictions, restart recovery, sharing, integrity checks on every read) is the fsspec tier's;
-only the data path differs: blocks go host slot -> file or object and back as NIXL
-transfers. Each IO thread has its own NIXL agent (agents are not thread-safe), so transfers
-of concurrent jobs run side by side without a lock.
+Everything but the copies is the other storage tiers': the bookkeeping
+(:class:`~kvhex.adapters.storage.tier.BlockTierStore` over the domain's residency), the slab
+files and their index on a local root (:class:`~kvhex.adapters.storage.files.slabs.SlabIo`),
+one object per block on an object store (:class:`~kvhex.adapters.storage.objects.ObjectIo`),
+the block format, checksums on every read. This module only hands those a NIXL mover. Each IO
+thread has its own NIXL agent (agents are not thread-safe), so transfers of concurrent jobs
+run side by side without a lock.
 
-* POSIX: blocks live in the fsspec tier's slab files (registered with NIXL once each). One
-  transfer per job (kept under 1 GiB: NIXL's POSIX backend fails transfers of 2 GiB) moves
-  every block's header, from the agent's staging area, and payload, from its host slot;
-  the job's blocks are then published in the shared index, so no torn block is ever found
-  (a block cut short fails its checksum and was never published).
-* OBJ: each block is two objects, the payload (written by NIXL) and then its header
-  (``<block>.hdr``: checksum and key, written by NIXL from a small staging buffer). The header
-  is written last, so a block exists only once both are complete. Listing and deletes, which
-  NIXL does not offer, go through s3fs on the same bucket.
+* POSIX (:class:`NixlSlotMover`): each slab file is registered with NIXL once; one transfer
+  per job (kept under 1 GiB: NIXL's POSIX backend fails transfers of 2 GiB, and at most
+  ``STAGED_HEADERS`` blocks) moves every block's header, from the agent's staging area, and
+  payload, straight from its host slot.
+* OBJ (:class:`NixlObjectMover`): one object per block in the block format, the same objects
+  the fsspec tier writes on S3. NIXL writes whole objects from contiguous memory, so a
+  block's header and payload are staged back to back in the agent's staging area (one copy of
+  the payload) and a batch of objects goes out in one transfer; reads fetch each object's
+  header into the staging area and its payload straight into the host slot, again one
+  transfer per batch. Listing and deletes, which NIXL does not offer, go through s3fs on the
+  same bucket.
 
 Works CPU-only with ``nixl==1.5.1``; the API module is ``nixl_cu12`` (the ``nixl_cu13`` build
 that ``import nixl`` picks on CPU cannot load the OBJ plugin).
@@ -29,32 +33,37 @@ import os
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from typing import Any
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any, TypeVar
 
 from kvhex.adapters.storage.files.slabs import SlabIo
 from kvhex.adapters.storage.format import HEADER_AREA, pack_header
-from kvhex.adapters.storage.fsspec import FsspecTierStore
+from kvhex.adapters.storage.fsspec import check_sizes, open_fs, open_namespace
 from kvhex.adapters.storage.objects import ObjectIo
+from kvhex.adapters.storage.tier import BlockTierStore, default_io_threads
 from kvhex.domain.keys import OffloadKey
-from kvhex.domain.tiers import Locality, Medium
+from kvhex.domain.tiers import Locality, Medium, TierIdentity
 from kvhex.ports.host_buffer import HostBuffer
 
-__all__ = ["NixlTierStore"]
+__all__ = ["NixlObjectMover", "NixlSlotMover", "NixlTierStore"]
+
+T = TypeVar("T")
 
 MAX_TRANSFER_BYTES = 1 << 30
 STAGED_HEADERS = 256
-"""Block headers one transfer moves through an agent's staging area (1 MiB of it)."""
+"""Block headers one POSIX transfer moves through an agent's staging area (1 MiB of it)."""
+STAGED_OBJECT_BYTES = 64 << 20
+"""Most bytes of whole blocks one OBJ write transfer stages (at least one block)."""
 
 
-def _address(view: memoryview) -> int:
+def _address(view: memoryview | bytearray) -> int:
     return ctypes.addressof(ctypes.c_char.from_buffer(view))
 
 
 class _Agent:
-    """One NIXL agent with one backend: the host slots and a staging area for block headers
-    registered as DRAM, files registered once each. NIXL agents are not thread-safe, so each
-    IO thread has its own (:class:`_Agents`) and no lock is held while a transfer runs."""
+    """One NIXL agent with one backend: the host slots and a staging area registered as
+    DRAM, files registered once each. NIXL agents are not thread-safe, so each IO thread has
+    its own (:class:`_Agents`) and no lock is held while a transfer runs."""
 
     def __init__(
         self, name: str, backend: str, params: Mapping[str, str], host: HostBuffer
@@ -69,14 +78,28 @@ class _Agent:
             slots = [_address(host.slot_view(s)) for s in range(host.num_slots)]
             self._register([(a, host.slot_bytes, 0, "") for a in slots], "DRAM")
         self.staging = bytearray(STAGED_HEADERS * HEADER_AREA)
-        self.staging_at = _address(memoryview(self.staging))
-        self._register([(self.staging_at, len(self.staging), 0, "")], "DRAM")
+        self.staging_at = _address(self.staging)
+        self._staging_reg = self._register([(self.staging_at, len(self.staging), 0, "")], "DRAM")
         self._files: set[int] = set()
+        self._devices = 0
 
     def _register(self, regions: list[tuple[int, int, int, str]], mem_type: str) -> Any:
         reg = self.agent.register_memory(regions, mem_type)
         self.registered.append(reg)
         return reg
+
+    def stage(self, size: int) -> memoryview:
+        """A staging area of at least ``size`` bytes (grown and registered again if
+        smaller)."""
+        if len(self.staging) < size:
+            self.agent.deregister_memory(self._staging_reg)
+            self.registered.remove(self._staging_reg)
+            self.staging = bytearray(size)
+            self.staging_at = _address(self.staging)
+            self._staging_reg = self._register(
+                [(self.staging_at, len(self.staging), 0, "")], "DRAM"
+            )
+        return memoryview(self.staging)
 
     def register_file(self, fd: int) -> None:
         """Make every byte of the open file ``fd`` addressable (once per file)."""
@@ -84,14 +107,10 @@ class _Agent:
             self._register([(0, os.fstat(fd).st_size, fd, "")], "FILE")
             self._files.add(fd)
 
-    def header(self, i: int) -> int:
-        """Address of staging slot ``i`` (one header area)."""
-        return self.staging_at + i * HEADER_AREA
-
-    def start(
+    def transfer(
         self, op: str, local: list[tuple[int, int, int]], mem_type: str, remote: list[Any]
-    ) -> Any:
-        """Post a transfer of registered memory; the backend runs it on its own threads."""
+    ) -> bool:
+        """One transfer of registered memory, waited for; True when NIXL reports DONE."""
         agent = self.agent
         handle = agent.initialize_xfer(
             op,
@@ -101,16 +120,6 @@ class _Agent:
         )
         try:
             state = agent.transfer(handle)
-        except BaseException:
-            agent.release_xfer_handle(handle)
-            raise
-        return handle, state
-
-    def finish(self, posted: Any) -> bool:
-        """Wait for a posted transfer and release it; True when NIXL reports DONE."""
-        handle, state = posted
-        agent = self.agent
-        try:
             waits = 0
             while state in ("PROC", "INIT"):
                 # naps from 10 us doubling up to 0.2 ms: a short job is seen done soon after
@@ -122,20 +131,22 @@ class _Agent:
         finally:
             agent.release_xfer_handle(handle)
 
-    def transfer(
-        self, op: str, local: list[tuple[int, int, int]], mem_type: str, remote: list[Any]
-    ) -> bool:
-        """One transfer, waited for; True when NIXL reports DONE."""
-        return self.finish(self.start(op, local, mem_type, remote))
-
     def transfer_objects(
-        self, op: str, local: list[tuple[int, int, int]], objects: list[tuple[int, str]]
+        self,
+        op: str,
+        local: list[tuple[int, int, int]],
+        objects: list[tuple[int, str]],
+        remote: list[tuple[int, int, int]],
     ) -> bool:
-        """One transfer between DRAM and whole objects (length, object key), registered for
-        this transfer only."""
-        reg = self.agent.register_memory([(0, n, 1, name) for n, name in objects], "OBJ")
+        """One transfer between DRAM and objects (size, object key), registered for this
+        transfer only under device ids ``0..len(objects)-1`` that ``remote`` descriptors
+        (offset, length, device id) name."""
+        base = self._devices
+        self._devices += len(objects)
+        regions = [(0, n, base + i, name) for i, (n, name) in enumerate(objects)]
+        reg = self.agent.register_memory(regions, "OBJ")
         try:
-            return self.transfer(op, local, "OBJ", [(0, n, 1) for n, _ in objects])
+            return self.transfer(op, local, "OBJ", [(off, n, base + dev) for off, n, dev in remote])
         finally:
             self.agent.deregister_memory(reg)
 
@@ -177,14 +188,16 @@ class _Agents:
             self._spare.clear()
 
 
-def _chunks(items: list[Any], size_of: Callable[[Any], int]) -> Iterator[list[Any]]:
-    """``items`` in batches of under 1 GiB (NIXL's POSIX backend fails a 2 GiB transfer) and
-    at most ``STAGED_HEADERS`` blocks."""
-    batch: list[Any] = []
+def _batches(
+    items: Sequence[T], size_of: Callable[[T], int], limit: int, count: int
+) -> Iterator[list[T]]:
+    """``items`` in batches of at most ``limit`` bytes (at least one item) and ``count``
+    items."""
+    batch: list[T] = []
     total = 0
     for item in items:
         size = size_of(item)
-        if batch and (total + size > MAX_TRANSFER_BYTES or len(batch) == STAGED_HEADERS):
+        if batch and (total + size > limit or len(batch) == count):
             yield batch
             batch, total = [], 0
         batch.append(item)
@@ -193,29 +206,45 @@ def _chunks(items: list[Any], size_of: Callable[[Any], int]) -> Iterator[list[An
         yield batch
 
 
-class _NixlPosixIo(SlabIo):
-    """Slab files whose blocks NIXL's POSIX backend writes and reads: one transfer per job
-    (per 1 GiB, per ``STAGED_HEADERS`` blocks) moves every header and payload, the headers
-    through the agent's staging area."""
+def _slot_size(block: tuple[int, int, OffloadKey, memoryview]) -> int:
+    return HEADER_AREA + len(block[3])
 
-    def __init__(
-        self, root: str, slot_size: int, max_slots: int, agents: _Agents, stripes: int
-    ) -> None:
-        super().__init__(root, slot_size, max_slots, fsync=False, stripes=stripes)
+
+def _read_size(block: tuple[int, int, int, memoryview]) -> int:
+    return HEADER_AREA + len(block[3])
+
+
+def _object_size(obj: tuple[str, OffloadKey, memoryview]) -> int:
+    return HEADER_AREA + len(obj[2])
+
+
+def _get_size(obj: tuple[int, tuple[str, memoryview]]) -> int:
+    return HEADER_AREA + len(obj[1][1])
+
+
+class NixlSlotMover:
+    """Slab slots written and read by NIXL's POSIX backend: one transfer per job (per 1 GiB,
+    per ``STAGED_HEADERS`` blocks) moves every header and payload, the headers through the
+    agent's staging area."""
+
+    def __init__(self, agents: _Agents) -> None:
         self.agents = agents
 
-    def _write_blocks(
-        self, blocks: list[tuple[int, int, OffloadKey, memoryview]]
+    def write_slots(
+        self, blocks: Sequence[tuple[int, int, OffloadKey, memoryview]]
     ) -> list[str | None]:
+        """Write each (fd, offset, key, payload) as a whole block."""
         nixl = self.agents.get()
         errors: list[str | None] = []
-        for batch in _chunks(blocks, lambda b: HEADER_AREA + len(b[3])):
+        for batch in _batches(blocks, _slot_size, MAX_TRANSFER_BYTES, STAGED_HEADERS):
             local: list[tuple[int, int, int]] = []
             remote: list[tuple[int, int, int]] = []
+            staged = nixl.stage(len(batch) * HEADER_AREA)
             for i, (fd, offset, key, payload) in enumerate(batch):
                 nixl.register_file(fd)
-                nixl.staging[i * HEADER_AREA : (i + 1) * HEADER_AREA] = pack_header(key, payload)
-                local += ((nixl.header(i), HEADER_AREA, 0), (_address(payload), len(payload), 0))
+                staged[i * HEADER_AREA : (i + 1) * HEADER_AREA] = pack_header(key, payload)
+                header = nixl.staging_at + i * HEADER_AREA
+                local += ((header, HEADER_AREA, 0), (_address(payload), len(payload), 0))
                 remote += ((offset, HEADER_AREA, fd), (offset + HEADER_AREA, len(payload), fd))
             try:
                 ok = nixl.transfer("WRITE", local, "FILE", remote)
@@ -225,109 +254,120 @@ class _NixlPosixIo(SlabIo):
             errors.extend(None if ok else "NIXL POSIX write failed" for _ in batch)
         return errors
 
-    def _read_blocks(
-        self, blocks: list[tuple[tuple[int, int] | None, memoryview]]
-    ) -> list[bytes | None]:
+    def read_slots(self, blocks: Sequence[tuple[int, int, memoryview]]) -> list[bytes]:
+        """The header area of each block (``b""`` when cut short), its payload into the
+        view."""
         nixl = self.agents.get()
-        out: list[bytes | None] = [None] * len(blocks)
+        out = [b""] * len(blocks)
         sizes: dict[int, int] = {}
         todo: list[tuple[int, int, int, memoryview]] = []  # index, fd, offset, view
-        for i, (place, view) in enumerate(blocks):
-            if place is None:
-                continue
-            fd, offset = place
+        for i, (fd, offset, view) in enumerate(blocks):
             if fd not in sizes:
                 sizes[fd] = os.fstat(fd).st_size
             if sizes[fd] < offset + HEADER_AREA + len(view):
-                out[i] = b""  # truncated: corrupt
-                continue
+                continue  # truncated: cut short
             nixl.register_file(fd)
             todo.append((i, fd, offset, view))
-        staged = memoryview(nixl.staging)
-        for batch in _chunks(todo, lambda t: HEADER_AREA + len(t[3])):
+        for batch in _batches(todo, _read_size, MAX_TRANSFER_BYTES, STAGED_HEADERS):
+            staged = nixl.stage(len(batch) * HEADER_AREA)
             local: list[tuple[int, int, int]] = []
             remote: list[tuple[int, int, int]] = []
             for j, (_, fd, offset, view) in enumerate(batch):
-                local += ((nixl.header(j), HEADER_AREA, 0), (_address(view), len(view), 0))
+                header = nixl.staging_at + j * HEADER_AREA
+                local += ((header, HEADER_AREA, 0), (_address(view), len(view), 0))
                 remote += ((offset, HEADER_AREA, fd), (offset + HEADER_AREA, len(view), fd))
             ok = nixl.transfer("READ", local, "FILE", remote)
             for j, (i, _, _, _) in enumerate(batch):
-                header = staged[j * HEADER_AREA : (j + 1) * HEADER_AREA]
-                out[i] = bytes(header) if ok else b""  # one copy out of the staging area
+                if ok:  # one copy out of the staging area
+                    out[i] = bytes(staged[j * HEADER_AREA : (j + 1) * HEADER_AREA])
         return out
 
     def close(self) -> None:
-        self.agents.close()  # deregisters the files before the slabs close them
-        super().close()
+        """Deregister everything (before the slabs close the files)."""
+        self.agents.close()
 
 
-class _NixlObjIo(ObjectIo):
-    """Objects written and read by NIXL's OBJ backend; s3fs lists and deletes."""
+class NixlObjectMover:
+    """Whole blocks as objects, written and read by NIXL's OBJ backend (see the module
+    docstring)."""
 
-    def __init__(self, fs: Any, root: str, agents: _Agents, bucket: str) -> None:
-        super().__init__(fs, root)
+    def __init__(self, agents: _Agents, bucket: str) -> None:
         self.agents = agents
         self.bucket = bucket
 
     def _object(self, path: str) -> str:
         return path[len(self.bucket) + 1 :]
 
-    def write_many(
-        self, items: list[tuple[OffloadKey, memoryview]], room: Sequence[Any] = ()
+    def put_objects(
+        self, objects: Sequence[tuple[str, OffloadKey, memoryview]]
     ) -> list[str | None]:
+        """Stage each block whole and write a batch of objects per transfer."""
         nixl = self.agents.get()
         errors: list[str | None] = []
-        for key, view in items:
-            nixl.staging[:HEADER_AREA] = pack_header(key, view)
-            # payload first, header last: a block is readable only once both exist
-            path = self._object(self.path(key))
-            ok = nixl.transfer_objects(
-                "WRITE", [(_address(view), len(view), 0)], [(len(view), path)]
-            ) and nixl.transfer_objects(
-                "WRITE", [(nixl.header(0), HEADER_AREA, 0)], [(HEADER_AREA, path + ".hdr")]
-            )
-            errors.append(None if ok else "NIXL OBJ write failed")
+        for batch in _batches(objects, _object_size, STAGED_OBJECT_BYTES, len(objects)):
+            staged = nixl.stage(sum(_object_size(o) for o in batch))
+            local: list[tuple[int, int, int]] = []
+            names: list[tuple[int, str]] = []
+            at = 0
+            for path, key, payload in batch:
+                n = HEADER_AREA + len(payload)
+                staged[at : at + HEADER_AREA] = pack_header(key, payload)
+                staged[at + HEADER_AREA : at + n] = payload
+                local.append((nixl.staging_at + at, n, 0))
+                names.append((n, self._object(path)))
+                at += n
+            remote = [(0, n, i) for i, (n, _) in enumerate(names)]
+            try:
+                ok = nixl.transfer_objects("WRITE", local, names, remote)
+            except Exception as exc:  # NIXL refused the transfer
+                errors.extend(f"NIXL OBJ write failed: {exc}" for _ in batch)
+                continue
+            errors.extend(None if ok else "NIXL OBJ write failed" for _ in batch)
         return errors
 
-    def read_many(self, items: list[tuple[OffloadKey, memoryview]]) -> list[bytes | None]:
+    def get_objects(self, objects: Sequence[tuple[str, memoryview]]) -> list[bytes | None]:
+        """Each object's header into the staging area and payload into its view, a batch per
+        transfer; a batch that fails is read again object by object, so one missing object
+        fails only itself."""
         nixl = self.agents.get()
-        paths = [self.path(key) for key, _ in items]
-        headers = self.fs.cat([p + ".hdr" for p in paths], on_error="return")
-        out: list[bytes | None] = []
-        for path, (_, view) in zip(paths, items, strict=True):
-            header = headers.get(path + ".hdr")
-            if header is None or isinstance(header, FileNotFoundError):
-                out.append(None)
-                continue
-            if isinstance(header, BaseException) or len(header) != HEADER_AREA:
-                out.append(b"")
-                continue
-            ok = nixl.transfer_objects(
-                "READ", [(_address(view), len(view), 0)], [(len(view), self._object(path))]
-            )
-            out.append(bytes(header) if ok else b"")
+        out: list[bytes | None] = [None] * len(objects)
+        indexed = list(enumerate(objects))
+        for batch in _batches(indexed, _get_size, MAX_TRANSFER_BYTES, STAGED_HEADERS):
+            if not self._get(nixl, batch, out) and len(batch) > 1:
+                for one in batch:
+                    self._get(nixl, [one], out)
         return out
 
-    def _exists_paths(self, paths: list[str]) -> set[str]:
-        headers = {p + ".hdr": p for p in paths}
-        return {headers[h] for h in super()._exists_paths(list(headers))}
-
-    def remove_many(self, keys: Sequence[OffloadKey], *, defer: bool = False) -> list[Any]:
-        paths = [self.path(key) for key in keys]
-        self._remove_paths([p + ".hdr" for p in paths])  # headers first: gone at once
-        self._remove_paths(paths)
-        return []
-
-    def _walk(self) -> Iterable[tuple[str, float]]:
-        for path, mtime in super()._walk():
-            if not path.endswith(".hdr"):  # a header belongs to its block
-                yield path, mtime
+    def _get(
+        self,
+        nixl: _Agent,
+        batch: list[tuple[int, tuple[str, memoryview]]],
+        out: list[bytes | None],
+    ) -> bool:
+        staged = nixl.stage(len(batch) * HEADER_AREA)
+        local: list[tuple[int, int, int]] = []
+        remote: list[tuple[int, int, int]] = []
+        names: list[tuple[int, str]] = []
+        for j, (_, (path, view)) in enumerate(batch):
+            n = len(view)
+            local += ((nixl.staging_at + j * HEADER_AREA, HEADER_AREA, 0), (_address(view), n, 0))
+            remote += ((0, HEADER_AREA, j), (HEADER_AREA, n, j))
+            names.append((HEADER_AREA + n, self._object(path)))
+        try:
+            ok = nixl.transfer_objects("READ", local, names, remote)
+        except Exception:  # a missing object fails the transfer at submission
+            ok = False
+        if ok:
+            for j, (i, _) in enumerate(batch):
+                out[i] = bytes(staged[j * HEADER_AREA : (j + 1) * HEADER_AREA])
+        return ok
 
     def close(self) -> None:
+        """Deregister everything."""
         self.agents.close()
 
 
-class NixlTierStore(FsspecTierStore):
+class NixlTierStore(BlockTierStore):
     """A tier moving bytes with NIXL.
 
     Args:
@@ -336,6 +376,10 @@ class NixlTierStore(FsspecTierStore):
         url: a local directory (POSIX backend) or ``s3://bucket/prefix`` (OBJ backend).
         endpoint_url, access_key, secret_key, region: the object store (OBJ only); the
             bucket must exist.
+
+    Raises:
+        TierUnavailable: the root or bucket cannot be used, or NIXL's backend cannot load
+            (each cause named).
     """
 
     def __init__(
@@ -354,19 +398,11 @@ class NixlTierStore(FsspecTierStore):
         secret_key: str | None = None,
         region: str = "us-east-1",
     ) -> None:
-        self._obj = url.startswith("s3://")
-        self._obj_params = {
-            "access_key": access_key or "",
-            "secret_key": secret_key or "",
-            "bucket": url[5:].split("/", 1)[0] if self._obj else "",
-            "endpoint_override": endpoint_url or "",
-            "scheme": (endpoint_url or "https://").split("://", 1)[0],
-            "region": region,
-            "use_virtual_addressing": "false",
-            "req_checksum": "supported",
-        }
+        block = check_sizes(host, capacity_bytes, io_threads)
+        obj = url.startswith("s3://")
         options: dict[str, Any] = {}
-        if self._obj:
+        params: dict[str, str] = {}
+        if obj:
             options = {
                 "key": access_key,
                 "secret": secret_key,
@@ -374,21 +410,41 @@ class NixlTierStore(FsspecTierStore):
                 "use_listings_cache": False,
                 "skip_instance_cache": True,
             }
+            params = {
+                "access_key": access_key or "",
+                "secret_key": secret_key or "",
+                "bucket": url[5:].split("/", 1)[0],
+                "endpoint_override": endpoint_url or "",
+                "scheme": (endpoint_url or "https://").split("://", 1)[0],
+                "region": region,
+                "use_virtual_addressing": "false",
+                "req_checksum": "supported",
+            }
+        fs, root, local = open_fs(url, options, name)
+        threads = io_threads or default_io_threads(local)
+
+        def make_io(base: str, config: bytes) -> SlabIo | ObjectIo:
+            if obj:
+                agents = _Agents(lambda: _Agent(name, "OBJ", params, host))
+                return ObjectIo(
+                    fs, base, config=config, mover=NixlObjectMover(agents, params["bucket"])
+                )
+            agents = _Agents(lambda: _Agent(name, "POSIX", {}, host))
+            return SlabIo(
+                base,
+                block,
+                max(1, capacity_bytes // block),
+                config=config,
+                stripes=threads,
+                mover=NixlSlotMover(agents),
+            )
+
+        io = open_namespace(make_io, root, namespace, host, url=url, tier=name)
         super().__init__(
             host,
-            url,
+            io,
+            identity=TierIdentity(medium, locality, name),
             capacity_bytes=capacity_bytes,
-            name=name,
-            namespace=namespace,
-            medium=medium,
-            locality=locality,
-            io_threads=io_threads,
-            storage_options=options,
+            block_bytes=block,
+            io_threads=threads,
         )
-
-    def _make_io(self, fs: Any, base: str) -> Any:
-        if self._obj:
-            obj = _Agents(lambda: _Agent(self._name, "OBJ", self._obj_params, self._host))
-            return _NixlObjIo(fs, base, obj, self._obj_params["bucket"])
-        posix = _Agents(lambda: _Agent(self._name, "POSIX", {}, self._host))
-        return _NixlPosixIo(base, *self._slab_geometry(), posix, self.io_threads)

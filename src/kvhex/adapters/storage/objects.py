@@ -1,17 +1,22 @@
-"""Object-store tiers: one object per block through any fsspec filesystem (s3fs for S3), what
-:class:`~kvhex.adapters.storage.fsspec.FsspecTierStore` uses on a non-local root.
+"""Object-store tiers: one object per block through any fsspec filesystem (s3fs for S3), the
+:class:`~kvhex.adapters.storage.block_io.BlockIo` of the fsspec and NIXL tiers on an
+``s3://`` root.
 
-Layout under the namespace prefix (see :mod:`kvhex.adapters.storage.format` for the block format)::
+Layout under the namespace prefix (see :mod:`kvhex.adapters.storage.format` for the block
+format)::
 
     config.json
-    <k0k1>/<key hex>.blk
+    <k0k1>/<key hex>.blk     the whole block: header area, then payload
 
 Object writes are single ``PUT``s, atomic by nature; every instance lists the namespace at
-start-up.
+start-up. The store, not this instance, is the truth about what exists (anyone with access may
+delete objects, a server may lose them): the tier checks what its index lists against it on
+probes and puts (``exclusive`` is false). A namespace whose ``config.json`` vanished was
+emptied, and a bucket that no longer exists holds nothing: both raise
+:class:`~kvhex.adapters.storage.block_io.StoreLost`, and the tier announces every block gone.
 
-Start-up (:meth:`ObjectIo.prepare`, :meth:`~ObjectIo.write_config`,
-:meth:`~ObjectIo.inventory`) raises what the store raised, for the tier to name
-(:func:`kvhex.adapters.storage.object_errors.start_up_error`); at run time a failed call is
+Errors: start-up raises what the store raised, for the tier to name
+(:func:`~kvhex.adapters.storage.object_errors.start_up_error`); at run time a failed call is
 a failed job whose error names the cause (:func:`~kvhex.adapters.storage.object_errors.job_error`).
 """
 
@@ -21,11 +26,18 @@ import contextlib
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from kvhex.adapters.storage.format import CONFIG, HEADER_AREA, Located, pack_header
-from kvhex.adapters.storage.object_errors import job_error
+from kvhex.adapters.storage.block_io import (
+    Inventory,
+    Located,
+    NamespaceConflict,
+    ObjectMover,
+    StoreLost,
+)
+from kvhex.adapters.storage.format import CONFIG, HEADER_AREA, Verdict, pack_header, verify
+from kvhex.adapters.storage.object_errors import Cause, describe, job_error
 from kvhex.domain.keys import OffloadKey
 
-__all__ = ["SUFFIX", "ObjectIo"]
+__all__ = ["SUFFIX", "FsspecObjectMover", "ObjectIo"]
 
 SUFFIX = ".blk"
 
@@ -38,32 +50,49 @@ def _key_from_hex(stem: str) -> OffloadKey | None:
     return OffloadKey(key) if len(key) > 4 and key.hex() == stem else None
 
 
-def _object(key: OffloadKey, payload: memoryview) -> bytearray:
-    """A block as one object: header area then payload, copied once."""
-    data = bytearray(HEADER_AREA + len(payload))
-    data[HEADER_AREA:] = payload
-    data[:HEADER_AREA] = pack_header(key, payload)
-    return data
-
-
 class ObjectIo:
-    """One object per block through any fsspec filesystem. Object stores get one concurrent
-    batch of requests per job (``pipe``/``cat`` of many paths) and existence probes by
-    listing where a listing is cheaper than one request per key."""
+    """One object per block under the namespace prefix ``root`` of the filesystem ``fs``.
+    The bucket is checked, ``config.json`` written or compared, and the namespace listed at
+    construction; the bucket is never created.
 
-    def __init__(self, fs: Any, root: str) -> None:
+    Args:
+        fs: an fsspec filesystem (s3fs for S3).
+        root: ``bucket/prefix/<namespace digest>``.
+        config: what ``config.json`` must record.
+        mover: copies blocks into and out of objects (default: s3fs batches,
+            :class:`FsspecObjectMover`).
+
+    Raises:
+        NamespaceConflict: ``config.json`` records another configuration.
+        Exception: what the store raised (a missing bucket, credentials, an endpoint down).
+    """
+
+    exclusive = False
+    """Anyone with access may delete objects: the store is the truth."""
+
+    def __init__(
+        self, fs: Any, root: str, *, config: bytes, mover: ObjectMover | None = None
+    ) -> None:
         self.fs = fs
         self.root = root
         self.url = fs.unstrip_protocol(root)
         """The namespace as a URL (``s3://bucket/prefix/digest``), named in job errors."""
+        self.config = config
+        self.mover: ObjectMover = mover or FsspecObjectMover(fs, self.url)
+        self._check_bucket()
+        recorded = self._write_config()
+        if recorded is not None and recorded != config:
+            raise NamespaceConflict(recorded)
+        self._inventory = self._list()
 
     def path(self, key: OffloadKey) -> str:
+        """The object of ``key``'s block."""
         h = key.hex()
         return f"{self.root}/{h[:2]}/{h}{SUFFIX}"
 
-    def prepare(self) -> None:
-        """Check that the bucket exists and the namespace can be listed (the tier lists it
-        at start-up and on probes); never creates the bucket.
+    # -- start-up ------------------------------------------------------------------------
+    def _check_bucket(self) -> None:
+        """The bucket exists and the namespace can be listed.
 
         Raises:
             FileNotFoundError: the bucket does not exist.
@@ -79,15 +108,15 @@ class ObjectIo:
         elif not self.fs.exists(bucket):
             raise FileNotFoundError(f"bucket or root {bucket!r} does not exist")
 
-    def write_config(self, name: str, data: bytes) -> bytes | None:
-        path = f"{self.root}/{name}"
+    def _write_config(self) -> bytes | None:
+        path = f"{self.root}/{CONFIG}"
         if self.fs.exists(path):
             return bytes(self.fs.cat_file(path))
-        self.fs.pipe_file(path, data)
+        self.fs.pipe_file(path, self.config)
         return None
 
-    def inventory(self) -> tuple[list[tuple[OffloadKey, float]], int]:
-        found: list[tuple[OffloadKey, float]] = []
+    def _list(self) -> Inventory:
+        found: list[tuple[float, OffloadKey]] = []
         foreign = 0
         for path, mtime in self._walk():
             name = path.rsplit("/", 1)[-1]
@@ -97,8 +126,9 @@ class ObjectIo:
             if key is None or path != self.path(key):
                 foreign += 1
                 continue
-            found.append((key, mtime))
-        return found, foreign
+            found.append((mtime, key))
+        found.sort(key=lambda f: f[0])
+        return Inventory([key for _, key in found], foreign)
 
     def _walk(self) -> Iterable[tuple[str, float]]:
         try:
@@ -111,89 +141,54 @@ class ObjectIo:
                 mtime = mtime.timestamp()
             yield path, float(mtime)
 
+    def inventory(self) -> Inventory:
+        """The blocks listed at start-up, oldest first, and the foreign objects seen."""
+        return self._inventory
+
+    # -- BlockIo -------------------------------------------------------------------------
     def write_many(
-        self, items: list[tuple[OffloadKey, memoryview]], room: Sequence[Any] = ()
+        self, items: Sequence[tuple[OffloadKey, memoryview]], evict: Sequence[OffloadKey] = ()
     ) -> list[str | None]:
-        """PUT ``items`` as one concurrent batch; per item ``None`` or why it was not stored
-        (``room`` is the slab IO's: an object store has no slots to reuse)."""
+        """Delete the victims (one bulk request), then PUT ``items`` as one concurrent
+        batch; per item ``None`` or why it was not stored."""
+        if evict:
+            self.remove_many(evict)
         if not items:
             return []
-        payload = {self.path(key): _object(key, view) for key, view in items}
-        try:
-            self.fs.pipe(payload)
-        except Exception as exc:
-            # the batch is all or nothing from here: find out what actually landed
-            error = job_error(exc, self.url)
-            try:
-                landed = self.exists_many([key for key, _ in items])
-            except Exception:
-                landed = set()
-            return [None if key in landed else error for key, _ in items]
-        return [None] * len(items)
+        errors = self.mover.put_objects([(self.path(k), k, v) for k, v in items])
+        if any(e is not None for e in errors) and not self._namespace_intact():
+            raise StoreLost(f"{self.url} is gone: its {CONFIG} vanished")
+        return errors
 
-    def read_many(self, items: list[tuple[OffloadKey, memoryview]]) -> list[bytes | None]:
+    def read_many(self, items: Sequence[tuple[OffloadKey, memoryview]]) -> list[Verdict]:
+        """GET and verify each block (one concurrent batch)."""
         if not items:
             return []
-        paths = [self.path(key) for key, _ in items]
-        try:
-            got = self.fs.cat(paths, on_error="return")
-        except Exception as exc:
-            raise OSError(job_error(exc, self.url)) from exc
-        out: list[bytes | None] = []
-        for path, (_, view) in zip(paths, items, strict=True):
-            data = got.get(path)
-            if data is None or isinstance(data, FileNotFoundError):
-                out.append(None)
-            elif isinstance(data, BaseException):
-                raise OSError(job_error(data, self.url)) from data
-            elif len(data) != HEADER_AREA + len(view):
-                out.append(b"")
-            else:
-                view[:] = memoryview(data)[HEADER_AREA:]  # one copy, not two
-                out.append(bytes(data[:HEADER_AREA]))
-        return out
+        headers = self.mover.get_objects([(self.path(k), v) for k, v in items])
+        verdicts = [verify(h, k, v) for h, (k, v) in zip(headers, items, strict=True)]
+        if Verdict.MISSING in verdicts and not self._namespace_intact():
+            raise StoreLost(f"{self.url} is gone: its {CONFIG} vanished")
+        return verdicts
 
-    def invalid(self, key: OffloadKey) -> bool:
-        """A block failed verification: delete it (True)."""
-        self.remove_many([key])
-        return True
-
-    def exists_many(self, keys: list[OffloadKey]) -> set[OffloadKey]:
-        """Which of ``keys`` have a block.
+    def exists_many(self, keys: Sequence[OffloadKey]) -> set[OffloadKey]:
+        """Which of ``keys`` have a block (one listing per shard of several keys).
 
         Raises:
+            StoreLost: the bucket or the namespace is gone.
             OSError: the store failed; the message names the cause.
         """
         by_path = {self.path(k): k for k in keys}
         try:
-            found = self._exists_paths(list(by_path))
+            found = _exists_paths(self.fs, list(by_path))
         except Exception as exc:
-            raise OSError(job_error(exc, self.url)) from exc
+            raise _failure(exc, self.url) from exc
+        if len(found) < len(by_path) and not self._namespace_intact():
+            raise StoreLost(f"{self.url} is gone: its {CONFIG} vanished")
         return {by_path[p] for p in found}
 
-    def _exists_paths(self, paths: list[str]) -> set[str]:
-        by_prefix: dict[str, list[str]] = {}
-        for path in paths:
-            by_prefix.setdefault(path.rsplit("/", 1)[0], []).append(path)
-        found: set[str] = set()
-        for prefix, wanted in by_prefix.items():
-            if len(wanted) > 1:  # one LIST answers every key under this shard
-                try:
-                    listed = set(self.fs.find(prefix))
-                except FileNotFoundError:
-                    listed = set()
-                found.update(p for p in wanted if p in listed)
-            else:
-                found.update(p for p in wanted if self.fs.exists(p))
-        return found
-
-    def remove_many(self, keys: Sequence[OffloadKey], *, defer: bool = False) -> list[Any]:
-        """Delete the blocks of ``keys`` in one batch (one bulk request on S3). ``defer`` is
-        accepted for the slab IO's sake: an object is gone once deleted, no room to reuse."""
-        self._remove_paths([self.path(key) for key in keys])
-        return []
-
-    def _remove_paths(self, paths: list[str]) -> None:
+    def remove_many(self, keys: Sequence[OffloadKey]) -> None:
+        """Delete the blocks of ``keys`` in one batch (one bulk request on S3)."""
+        paths = [self.path(key) for key in keys]
         if not paths:
             return
         try:
@@ -204,7 +199,117 @@ class ObjectIo:
                     self.fs.rm_file(path)
 
     def location(self, key: OffloadKey) -> Located:
+        """The object of ``key``'s block; its header is at offset 0."""
         return self.path(key), 0
 
     def close(self) -> None:
+        """Release the mover."""
+        self.mover.close()
+
+    def _namespace_intact(self) -> bool:
+        """Whether ``config.json`` is still there (an emptied namespace or a deleted bucket
+        has lost every block). A namespace found emptied gets its ``config.json`` back, so
+        later puts land in a valid namespace.
+
+        Raises:
+            StoreLost: the bucket is gone.
+        """
+        path = f"{self.root}/{CONFIG}"
+        try:
+            if self.fs.exists(path):
+                return True
+            self.fs.pipe_file(path, self.config)
+        except Exception as exc:
+            raise _failure(exc, self.url) from exc
+        return False
+
+
+class FsspecObjectMover:
+    """Blocks as objects through fsspec batches: a job's objects go out as one concurrent
+    ``pipe`` and come back as one ``cat``. A block's object is built with one copy of the
+    payload and read back into the host slot with one."""
+
+    def __init__(self, fs: Any, url: str) -> None:
+        self.fs = fs
+        self.url = url
+
+    def put_objects(
+        self, objects: Sequence[tuple[str, OffloadKey, memoryview]]
+    ) -> list[str | None]:
+        """PUT every object; after a failed batch, what landed counts as written."""
+        payload = {}
+        for path, key, view in objects:
+            data = bytearray(HEADER_AREA + len(view))
+            data[HEADER_AREA:] = view
+            data[:HEADER_AREA] = pack_header(key, view)
+            payload[path] = data
+        try:
+            self.fs.pipe(payload)
+        except Exception as exc:
+            failure = _failure(exc, self.url)
+            if isinstance(failure, StoreLost):
+                raise failure from exc
+            # the batch is all or nothing from here: find out what actually landed
+            try:
+                landed = _exists_paths(self.fs, list(payload))
+            except Exception:
+                landed = set()
+            return [None if path in landed else str(failure) for path, _, _ in objects]
+        return [None] * len(objects)
+
+    def get_objects(self, objects: Sequence[tuple[str, memoryview]]) -> list[bytes | None]:
+        """GET every object; the header of each whole block, ``None`` if absent, ``b""`` if
+        not a whole block.
+
+        Raises:
+            StoreLost: the bucket is gone.
+            OSError: the store failed; the message names the cause.
+        """
+        paths = [path for path, _ in objects]
+        try:
+            got = self.fs.cat(paths, on_error="return")
+        except Exception as exc:
+            raise _failure(exc, self.url) from exc
+        out: list[bytes | None] = []
+        for path, view in objects:
+            data = got.get(path)
+            if data is None or isinstance(data, FileNotFoundError):
+                out.append(None)
+            elif isinstance(data, BaseException):
+                raise _failure(data, self.url) from data
+            elif len(data) != HEADER_AREA + len(view):
+                out.append(b"")
+            else:
+                view[:] = memoryview(data)[HEADER_AREA:]  # one copy, not two
+                out.append(bytes(data[:HEADER_AREA]))
+        return out
+
+    def close(self) -> None:
         """Nothing held."""
+
+
+def _failure(exc: BaseException, url: str) -> OSError | StoreLost:
+    """What a failed store call means here: the bucket gone, or an error naming the cause."""
+    failure = describe(exc, url)
+    if failure.cause is Cause.NO_BUCKET:
+        return StoreLost(failure.text)
+    return OSError(job_error(exc, url))
+
+
+def _exists_paths(fs: Any, paths: list[str]) -> set[str]:
+    """Which ``paths`` exist: one listing answers every path of a shard asked for twice or
+    more, one request each for the rest."""
+    by_prefix: dict[str, list[str]] = {}
+    for path in paths:
+        by_prefix.setdefault(path.rsplit("/", 1)[0], []).append(path)
+    found: set[str] = set()
+    for prefix, wanted in by_prefix.items():
+        if len(wanted) > 1:
+            try:
+                listed = set(fs.find(prefix))
+            except FileNotFoundError:
+                listed = set()
+            found.update(p for p in wanted if p in listed)
+        else:
+            found.update(p for p in wanted if fs.exists(p))
+    return found

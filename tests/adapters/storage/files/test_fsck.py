@@ -18,7 +18,7 @@ import pytest
 
 from kvhex.adapters.memory import MemoryHostBuffer
 from kvhex.adapters.storage.files.fsck import Finding, FsckReport, NamespaceReport, check_root
-from kvhex.adapters.storage.format import HEADER_AREA, namespace_digest
+from kvhex.adapters.storage.format import HEADER_AREA, LAYOUT_VERSION, namespace_digest
 from kvhex.adapters.storage.fsspec import FsspecTierStore
 from kvhex.domain import JobKind
 from tests.adapters.jobs import key, run
@@ -214,7 +214,9 @@ def test_orphans_unfinished_slabs_and_foreign_files_are_reported_but_harmless(
         ),
         (
             lambda d: (d / "config.json").write_text(
-                json.dumps({**NS, "model": "other", "slot_bytes": SLOT, "layout_version": 2})
+                json.dumps(
+                    {**NS, "model": "other", "slot_bytes": SLOT, "layout_version": LAYOUT_VERSION}
+                )
             ),
             "describes namespace",
         ),

@@ -1,26 +1,41 @@
 """The slab files of local tiers, below the tier store: how jobs are laid out over slab files
-(striping, eviction room, runs of adjacent slots) and what a failure gives back. Real files
-and a real SQLite index throughout."""
+(striping, eviction room, runs of adjacent slots), what a failure gives back, what a crash at
+each step leaves, and what a restart adopts. Real files and a real SQLite index throughout;
+faults come through the public seams (a mover, the index object), never private methods."""
 
 from __future__ import annotations
 
 import concurrent.futures as cf
 import os
+import signal
 import sqlite3
+import subprocess
+import sys
 import threading
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
 import pytest
 
 from kvhex.adapters.memory import MemoryHostBuffer
-from kvhex.adapters.storage.files.slabs import SLAB_DIR, SlabIo
-from kvhex.adapters.storage.format import HEADER_AREA, MAGIC, header_matches
+from kvhex.adapters.storage.files.fsck import check_root
+from kvhex.adapters.storage.files.index import SLAB_DIR, SlabIndex
+from kvhex.adapters.storage.files.slabs import PosixSlotMover, SlabIo
+from kvhex.adapters.storage.format import (
+    HEADER_AREA,
+    MAGIC,
+    Verdict,
+    namespace_config,
+    namespace_digest,
+)
 from kvhex.domain import OffloadKey
 from tests.adapters.jobs import key
 
 SLOT = 4096
 BLOCK = HEADER_AREA + SLOT
+NS = {"model": "t", "slot_bytes": SLOT}
+CONFIG = namespace_config(NS)
+NAME = namespace_digest(NS)  # the namespace directory's name, as fsck checks
 
 
 @pytest.fixture
@@ -36,33 +51,45 @@ def payload(i: int) -> bytes:
     return bytes([i % 32 + 1]) * SLOT
 
 
-def items(host: MemoryHostBuffer, ids: range) -> list[tuple[OffloadKey, memoryview]]:
+def items(host: MemoryHostBuffer, ids: Sequence[int]) -> list[tuple[OffloadKey, memoryview]]:
     """Chunk ``i`` holds host slot ``i % 32``'s bytes."""
     return [(key(i), host.slot_view(i % host.num_slots)) for i in ids]
 
 
-def open_io(root: Path, *, slots: int = 64, stripes: int = 1, cls: type[SlabIo] = SlabIo) -> Any:
-    io = cls(str(root / "ns"), BLOCK, slots, fsync=False, stripes=stripes)
-    io.prepare()
-    return io
+def open_io(
+    root: Path, *, slots: int = 64, stripes: int = 1, mover: PosixSlotMover | None = None
+) -> SlabIo:
+    return SlabIo(str(root / NAME), BLOCK, slots, config=CONFIG, stripes=stripes, mover=mover)
 
 
-def read_back(io: SlabIo, ids: range) -> list[bytes | None]:
-    """What ``read_many`` returns for chunks ``ids``: the verified payload, ``b""`` when
-    short or failing its check, ``None`` when unknown."""
+def read_back(io: SlabIo, ids: Sequence[int]) -> list[bytes | Verdict]:
+    """The verified payload of each chunk, or the verdict when it is not ``OK``."""
     views = [memoryview(bytearray(SLOT)) for _ in ids]
-    headers = io.read_many([(key(i), v) for i, v in zip(ids, views, strict=True)])
-    out: list[bytes | None] = []
-    for i, view, header in zip(ids, views, headers, strict=True):
-        if header is None or header == b"":
-            out.append(header)
-        else:
-            out.append(bytes(view) if header_matches(header, key(i), view) else b"")
-    return out
+    verdicts = io.read_many([(key(i), v) for i, v in zip(ids, views, strict=True)])
+    return [
+        bytes(v) if verdict is Verdict.OK else verdict
+        for v, verdict in zip(views, verdicts, strict=True)
+    ]
 
 
 def slab_files(root: Path) -> list[Path]:
-    return sorted((root / "ns" / SLAB_DIR).iterdir())
+    return sorted((root / NAME / SLAB_DIR).iterdir())
+
+
+class Recording(PosixSlotMover):
+    """A mover that records the files each job writes and runs a hook first."""
+
+    def __init__(self, before: object = None) -> None:
+        self.files: list[set[int]] = []
+        self.before = before
+
+    def write_slots(
+        self, blocks: Sequence[tuple[int, int, OffloadKey, memoryview]]
+    ) -> list[str | None]:
+        self.files.append({fd for fd, _, _, _ in blocks})
+        if callable(self.before):
+            self.before(blocks)
+        return super().write_slots(blocks)
 
 
 def test_capacity_is_spread_over_one_slab_file_per_stripe(
@@ -73,9 +100,7 @@ def test_capacity_is_spread_over_one_slab_file_per_stripe(
     files = slab_files(tmp_path)
     assert len(files) == 4
     assert sum(f.stat().st_size for f in files) == 64 * BLOCK
-    assert io.write_many(items(host, range(64, 65))) == [
-        "OSError: every slot of this tier is taken"
-    ]
+    assert io.write_many(items(host, [64])) == ["OSError: every slot of this tier is taken"]
     io.close()
 
 
@@ -83,49 +108,45 @@ def test_concurrent_jobs_write_different_slab_files(tmp_path: Path, host: Memory
     """Writes into one file serialize on its inode lock: two jobs in flight at once never
     share a slab while another has room."""
     both_writing = threading.Barrier(2, timeout=10)
-    files: list[set[int]] = []
-
-    class Recording(SlabIo):
-        def _write_blocks(self, blocks: list[tuple[int, int, OffloadKey, memoryview]]) -> Any:
-            files.append({fd for fd, _, _, _ in blocks})
-            both_writing.wait()  # each job is inside its write while the other is
-            return super()._write_blocks(blocks)
-
-    io = open_io(tmp_path, slots=64, stripes=2, cls=Recording)
+    mover = Recording(lambda _: both_writing.wait())  # each job is inside its write at once
+    io = open_io(tmp_path, slots=64, stripes=2, mover=mover)
     with cf.ThreadPoolExecutor(2) as pool:
         a = pool.submit(io.write_many, items(host, range(8)))
         b = pool.submit(io.write_many, items(host, range(8, 16)))
         assert a.result() == [None] * 8
         assert b.result() == [None] * 8
-    first, second = files
+    first, second = mover.files
     assert len(first) == len(second) == 1
     assert first.isdisjoint(second)
     assert read_back(io, range(16)) == [payload(i) for i in range(16)]
     io.close()
 
 
-def test_a_put_writes_into_the_room_its_evictions_freed(
+def test_a_put_writes_into_its_victims_slots_after_their_rows_are_gone(
     tmp_path: Path, host: MemoryHostBuffer
 ) -> None:
-    io = open_io(tmp_path, slots=8)
+    """The victims' index rows are deleted before their slots are overwritten (a crash in
+    between leaves orphans, never a row naming another block), and a slot of room left over
+    is unmarked before it is free again."""
+    seen: list[dict[OffloadKey, tuple[str, int]]] = []
+    mover = Recording(lambda _: seen.append(io.index.lookup([key(2), key(3), key(4)])))
+    io = open_io(tmp_path, slots=8, mover=mover)
     assert io.write_many(items(host, range(8))) == [None] * 8
     evicted = [io.location(key(i)) for i in (2, 3, 4)]
-    room = io.remove_many([key(2), key(3), key(4)], defer=True)
-    assert len(room) == 3
-    # the tier is full: the new blocks can only go where the evicted ones were, and the one
-    # slot of room left over is unmarked before it is free again
-    assert io.write_many(items(host, range(10, 12)), room) == [None, None]
-    placed = {io.location(key(10)), io.location(key(11))}
-    assert placed == set(evicted[:2])
+    seen.clear()
+    assert io.write_many(items(host, [10, 11]), evict=[key(2), key(3), key(4)]) == [None, None]
+    assert seen == [{}]  # no victim row was left while the new blocks were written
+    assert {io.location(key(10)), io.location(key(11))} == set(evicted[:2])
     path, offset = evicted[2]
     with open(path, "rb") as slab:
         slab.seek(offset)
         assert slab.read(len(MAGIC)) == bytes(len(MAGIC))
-    assert read_back(io, range(2, 5)) == [None, None, None]  # gone from the index too
-    assert io.write_many(items(host, range(12, 13))) == [None]  # the unmarked slot is free
+    assert read_back(io, [2, 3, 4]) == [Verdict.MISSING] * 3
+    assert io.write_many(items(host, [12])) == [None]  # the unmarked slot is free
     assert io.location(key(12)) == evicted[2]
     live = {0, 1, 5, 6, 7, 10, 11, 12}
-    assert read_back(io, range(13)) == [payload(i) if i in live else None for i in range(13)]
+    got = read_back(io, range(13))
+    assert got == [payload(i) if i in live else Verdict.MISSING for i in range(13)]
     io.close()
 
 
@@ -138,10 +159,9 @@ def test_blocks_in_and_out_of_runs_of_adjacent_slots_read_back_exactly(
     assert io.write_many(items(host, range(12))) == [None] * 12
     io.remove_many([key(i) for i in (1, 4, 5, 9)])
     assert io.write_many(items(host, range(20, 30))) == [None] * 10
-    ids = range(30)
-    got = read_back(io, ids)
     live = {0, 2, 3, 6, 7, 8, 10, 11, *range(20, 30)}
-    assert got == [payload(i) if i in live else None for i in ids]
+    got = read_back(io, range(30))
+    assert got == [payload(i) if i in live else Verdict.MISSING for i in range(30)]
     io.close()
 
 
@@ -152,30 +172,34 @@ def test_a_slab_cut_inside_a_run_fails_only_the_blocks_past_the_cut(
     assert io.write_many(items(host, range(6))) == [None] * 6
     path, offset = io.location(key(3))
     os.truncate(path, offset + HEADER_AREA + SLOT // 2)  # block 3 torn, 4 and 5 gone
-    assert read_back(io, range(6)) == [payload(i) for i in range(3)] + [b""] * 3
+    assert read_back(io, range(6)) == [payload(i) for i in range(3)] + [Verdict.CORRUPT] * 3
     io.close()
+
+
+class FailingIndex(SlabIndex):
+    """The index whose next transactions fail (a disk error under SQLite)."""
+
+    fail = True
+
+    def commit(self, deletes: Sequence[object], inserts: Sequence[object] = ()) -> None:  # type: ignore[override]
+        if self.fail:
+            raise sqlite3.OperationalError("disk I/O error")
+        super().commit(deletes, inserts)  # type: ignore[arg-type]
 
 
 def test_a_failed_index_commit_fails_the_job_and_frees_its_slots(
     tmp_path: Path, host: MemoryHostBuffer
 ) -> None:
-    class Failing(SlabIo):
-        fail = True
-
-        def _transaction(
-            self, deletes: list[tuple[Any, ...]], inserts: list[tuple[Any, ...]]
-        ) -> None:
-            if self.fail:
-                raise sqlite3.OperationalError("disk I/O error")
-            super()._transaction(deletes, inserts)
-
-    io = open_io(tmp_path, slots=2, cls=Failing)
+    io = open_io(tmp_path, slots=2)
+    io.index.close()
+    failing = FailingIndex(str(tmp_path / NAME), fsync=False)
+    io.index = failing
     assert io.write_many(items(host, range(2))) == ["index: disk I/O error"] * 2
-    assert read_back(io, range(2)) == [None, None]
+    assert read_back(io, range(2)) == [Verdict.MISSING] * 2
     other = open_io(tmp_path)  # nothing was published for another instance either
     assert other.exists_many([key(0), key(1)]) == set()
     other.close()
-    io.fail = False
+    failing.fail = False
     assert io.write_many(items(host, range(2, 4))) == [None, None]  # both slots free again
     io.close()
 
@@ -183,18 +207,92 @@ def test_a_failed_index_commit_fails_the_job_and_frees_its_slots(
 def test_a_write_path_that_raises_gives_its_slots_back(
     tmp_path: Path, host: MemoryHostBuffer
 ) -> None:
-    class Broken(SlabIo):
-        broken = True
+    broken = [True]
 
-        def _write_blocks(self, blocks: list[tuple[int, int, OffloadKey, memoryview]]) -> Any:
-            if self.broken:
-                raise RuntimeError("backend gone")
-            return super()._write_blocks(blocks)
+    def fail(_: object) -> None:
+        if broken[0]:
+            raise RuntimeError("backend gone")
 
-    io = open_io(tmp_path, slots=4, cls=Broken)
+    io = open_io(tmp_path, slots=4, mover=Recording(fail))
     with pytest.raises(RuntimeError, match="backend gone"):
         io.write_many(items(host, range(4)))
-    io.broken = False
+    broken[0] = False
     assert io.write_many(items(host, range(4, 8))) == [None] * 4  # all four slots free again
-    assert read_back(io, range(8)) == [None] * 4 + [payload(i) for i in range(4, 8)]
+    assert read_back(io, range(8)) == [Verdict.MISSING] * 4 + [payload(i) for i in range(4, 8)]
     io.close()
+
+
+def test_a_key_in_two_dead_instances_slabs_is_adopted_once_and_removed_for_good(
+    tmp_path: Path, host: MemoryHostBuffer
+) -> None:
+    first, second = open_io(tmp_path, slots=4), open_io(tmp_path, slots=4)  # both alive
+    assert first.write_many(items(host, [1, 2])) == [None, None]
+    assert second.write_many(items(host, [1, 3])) == [None, None]  # its own copy of 1
+    first.close()
+    second.close()
+    heir = open_io(tmp_path, slots=8)
+    assert sorted(heir.inventory().blocks) == [key(1), key(2), key(3)]
+    assert len(heir.index.rows()) == 3  # the older copy's row is gone
+    heir.remove_many([key(1)])
+    assert read_back(heir, [1, 2, 3]) == [Verdict.MISSING, payload(2), payload(3)]
+    heir.close()
+    again = open_io(tmp_path, slots=8)
+    assert sorted(again.inventory().blocks) == [key(2), key(3)]  # 1 does not come back
+    again.close()
+    assert check_root(tmp_path).clean
+
+
+KILLED_BETWEEN_WRITE_AND_COMMIT = """
+import os, signal, sys
+from kvhex.adapters.memory import MemoryHostBuffer
+from kvhex.adapters.storage.files.slabs import PosixSlotMover, SlabIo
+from tests.adapters.jobs import key
+from tests.adapters.storage.files.test_slabs import BLOCK, CONFIG, SLOT
+
+class DiesAfterWriting(PosixSlotMover):
+    armed = False
+    def write_slots(self, blocks):
+        errors = super().write_slots(blocks)
+        if self.armed:
+            os.kill(os.getpid(), signal.SIGKILL)  # the blocks are written, not published
+        return errors
+
+host = MemoryHostBuffer(8, SLOT)
+for s in range(8):
+    host.slot_view(s)[:] = bytes([s + 1]) * SLOT
+mover = DiesAfterWriting()
+io = SlabIo(sys.argv[1], BLOCK, 4, config=CONFIG, mover=mover)
+assert io.write_many([(key(i), host.slot_view(i)) for i in range(4)]) == [None] * 4
+mover.armed = True
+io.write_many([(key(10), host.slot_view(4)), (key(11), host.slot_view(5))], evict=[key(0), key(1)])
+"""
+
+
+def test_a_writer_killed_between_its_slab_write_and_its_commit_leaves_only_servable_rows(
+    tmp_path: Path,
+) -> None:
+    root = tmp_path / NAME
+    done = subprocess.run(
+        [sys.executable, "-c", KILLED_BETWEEN_WRITE_AND_COMMIT, str(root)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == -signal.SIGKILL, done.stderr
+    io = SlabIo(str(root), BLOCK, 4, config=CONFIG)
+    # the victims' rows were gone before their slots were overwritten: nothing adopted names
+    # a slot that holds another block, and the new blocks were never published
+    assert sorted(io.inventory().blocks) == [key(2), key(3)]
+    assert read_back(io, [0, 1, 2, 3, 10, 11]) == [
+        Verdict.MISSING,
+        Verdict.MISSING,
+        bytes([3]) * SLOT,
+        bytes([4]) * SLOT,
+        Verdict.MISSING,
+        Verdict.MISSING,
+    ]
+    io.close()
+    report = check_root(tmp_path)
+    assert report.clean, report.as_dict()
+    assert {o.key for o in report.namespaces[0].orphans} == {key(10).hex(), key(11).hex()}

@@ -99,6 +99,7 @@ def test_corrupt_objects_are_deleted_and_their_removal_announced(
     (removed,) = store.take_events()
     assert isinstance(removed, Removed)
     assert removed.keys == (key(1),)
+    store.drain()  # the object is deleted on an IO thread
     assert not fs.exists(store.location(key(1))[0])
     store.close()
 

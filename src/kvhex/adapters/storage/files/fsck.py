@@ -38,15 +38,21 @@ from typing import Any
 
 import attrs
 
-from kvhex.adapters.storage.files.slabs import INDEX, KNOWN_ENTRIES, SLAB_DIR, is_slab_id
+from kvhex.adapters.storage.files.index import (
+    INDEX,
+    KNOWN_ENTRIES,
+    SLAB_DIR,
+    is_slab_id,
+    read_rows,
+)
 from kvhex.adapters.storage.format import (
     CONFIG,
-    HEADER,
     HEADER_AREA,
     LAYOUT_VERSION,
     MAGIC,
     header_matches,
     namespace_digest,
+    parse_header,
 )
 from kvhex.domain.keys import OffloadKey
 
@@ -60,9 +66,6 @@ __all__ = [
     "check_root",
 ]
 
-SLABS = SLAB_DIR
-KNOWN = KNOWN_ENTRIES
-"""What a namespace directory holds besides foreign files."""
 _HEX = frozenset("0123456789abcdef")
 
 
@@ -180,7 +183,7 @@ def check_root(root: str | os.PathLike[str]) -> FsckReport:
 def _looks_like_namespace(path: Path) -> bool:
     if len(path.name) == 16 and set(path.name) <= _HEX:
         return True
-    return any((path / name).exists() for name in (CONFIG, INDEX, SLABS))
+    return any((path / name).exists() for name in (CONFIG, INDEX, SLAB_DIR))
 
 
 def check_namespace(path: str | os.PathLike[str]) -> NamespaceReport:
@@ -266,11 +269,11 @@ class _Checker:
 
     def _foreign_entries(self) -> None:
         for entry in sorted(os.listdir(self.path)):
-            if entry not in KNOWN:
+            if entry not in KNOWN_ENTRIES:
                 self.foreign.append(entry)
 
     def _slab_files(self) -> dict[str, Path]:
-        slab_dir = self.path / SLABS
+        slab_dir = self.path / SLAB_DIR
         slabs: dict[str, Path] = {}
         try:
             entries = sorted(os.listdir(slab_dir))
@@ -284,7 +287,7 @@ class _Checker:
             elif is_slab_id(stem) and ext == "new" and full.is_file():
                 self.unfinished.append(entry)
             else:
-                self.foreign.append(f"{SLABS}/{entry}")
+                self.foreign.append(f"{SLAB_DIR}/{entry}")
         return slabs
 
     def _index(self) -> list[tuple[bytes, str, int]] | None:
@@ -304,13 +307,13 @@ class _Checker:
                 shutil.copyfile(f"{source}-wal", os.path.join(tmp, INDEX + "-wal"))
             db = sqlite3.connect(os.path.join(tmp, INDEX))
             try:
-                rows = db.execute("SELECT key, slab, slot FROM blocks").fetchall()
+                rows = read_rows(db)
             except sqlite3.DatabaseError as exc:
                 self.problems.append(f"{INDEX} unreadable: {exc}")
                 return None
             finally:
                 db.close()
-        return [(bytes(key), str(slab), int(slot)) for key, slab, slot in rows]
+        return [(bytes(key), slab, slot) for key, slab, slot, _ in rows]
 
     # -- blocks --------------------------------------------------------------------------
     def _blocks(
@@ -357,7 +360,7 @@ class _Checker:
                     for key in rows[slot]:
                         self._verify(key, data, slot_bytes, name, slot)
                 else:
-                    self._orphan(os.pread(fd, HEADER.size + 255, offset), slot_bytes, name, slot)
+                    self._orphan(os.pread(fd, 512, offset), slot_bytes, name, slot)
         finally:
             os.close(fd)
 
@@ -370,13 +373,15 @@ class _Checker:
         finding, reason = _diagnose(header, key, slot_bytes, len(payload))
         self._found(key, finding, reason, slab, slot)
 
-    def _orphan(self, header: bytes, slot_bytes: int, slab: str, slot: int) -> None:
-        if len(header) < HEADER.size:
-            return
-        magic, length, _, key_len = HEADER.unpack_from(header)
-        key = header[HEADER.size : HEADER.size + key_len]
-        if magic == MAGIC and length == slot_bytes and 4 < key_len == len(key):
-            self.orphans.append(Orphan(key.hex(), slab, slot))
+    def _orphan(self, data: bytes, slot_bytes: int, slab: str, slot: int) -> None:
+        header = parse_header(data)
+        if (
+            header is not None
+            and header.magic == MAGIC
+            and header.length == slot_bytes
+            and len(header.key) > 4
+        ):
+            self.orphans.append(Orphan(header.key.hex(), slab, slot))
 
     def _found(self, key: bytes, finding: Finding, reason: str, slab: str, slot: int) -> None:
         self.findings.append(BlockFinding(key.hex(), finding, reason, slab, slot))
@@ -384,10 +389,10 @@ class _Checker:
 
 def _diagnose(header: bytes, key: bytes, slot_bytes: int, got: int) -> tuple[Finding, str]:
     """Why a block failed :func:`header_matches`."""
-    if len(header) < HEADER.size:
+    parsed = parse_header(header)
+    if parsed is None:
         return Finding.MISSING, "the slot is cut short (slab truncated)"
-    magic, length, _, key_len = HEADER.unpack_from(header)
-    held = header[HEADER.size : HEADER.size + key_len]
+    magic, length, _, held = parsed
     if magic == bytes(len(MAGIC)):
         return Finding.MISSING, "the slot is unmarked (block removed; stale index row)"
     if magic == MAGIC and held != key:

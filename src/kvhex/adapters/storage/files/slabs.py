@@ -1,6 +1,6 @@
-"""Local file tiers: positional IO into preallocated slab files, published through a shared
-SQLite index (what :class:`~kvhex.adapters.storage.fsspec.FsspecTierStore` and the NIXL POSIX tier
-use on a local root).
+"""Local file tiers: blocks in slots of preallocated slab files, published through a shared
+SQLite index (:mod:`kvhex.adapters.storage.files.index`). The :class:`BlockIo` of the fsspec
+tier on a local root and of NIXL's POSIX tier.
 
 Layout under the namespace directory (see :mod:`kvhex.adapters.storage.format` for the block
 format)::
@@ -12,21 +12,22 @@ format)::
 Names are built only from hex (random 128-bit slab ids); files are created ``0600`` and
 directories ``0700``.
 
-A put takes free slots of slab files this instance owns (each live instance holds an
-exclusive ``flock`` on its slabs), writes each block (header and payload in one ``pwritev``),
-then one index transaction per job publishes the job's blocks, with the rows of the blocks it
-evicted. A crash before the commit leaves no index row, so nothing torn is ever found; the
-checksum catches anything else. Concurrent jobs write to different slabs where they can:
-writes into one file serialize on its inode lock, so the capacity is spread over at least
-``stripes`` slab files.
+Each live instance holds an exclusive ``flock`` on the slabs it owns, and only it writes or
+frees their slots. A put first deletes its victims' index rows, then writes its blocks (header
+and payload together, by the mover: ``pwritev`` runs of adjacent slots, or NIXL) into the
+victims' slots and free ones, then publishes the new rows in one transaction. A removal
+deletes the rows, then unmarks the slots' headers, then frees them. So in every crash state an
+index row names a slot holding its block: a restart announces only blocks it can serve, and
+what a crash leaves is at worst an orphan (a whole-looking block no row names; its slot is
+free). Concurrent jobs write to different slabs where they can: writes into one file
+serialize on its inode lock, so the capacity is spread over at least ``stripes`` slab files.
 
 At start-up an instance adopts the slabs of instances that died (their lock is free) with
-their blocks. Other live instances' blocks are found through the index and read from their
-slabs, never announced or evicted here.
+their blocks; a key found in several adopted slabs is kept once, the newest. Other live
+instances' blocks are found through the index and read from their slabs, never removed here.
 
 Threads: every method may run on any IO thread; ``_lock`` guards slabs, free lists and the
-block map, ``_db_lock`` the SQLite connection. No syscall runs under ``_lock`` but creating
-a slab and opening another instance's.
+block map. No syscall runs under ``_lock`` but creating a slab and opening another instance's.
 """
 
 from __future__ import annotations
@@ -34,61 +35,48 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import os
-import sqlite3
 import threading
 import time
 import uuid
 from collections.abc import Iterable, Iterator, Sequence
-from typing import Any
 
 import structlog
 
+from kvhex.adapters.storage.block_io import (
+    Inventory,
+    Located,
+    NamespaceConflict,
+    SlotMover,
+    oserror,
+    write_fully,
+)
+from kvhex.adapters.storage.files.index import (
+    KNOWN_ENTRIES,
+    SLAB_DIR,
+    Row,
+    SlabIndex,
+    is_slab_id,
+)
 from kvhex.adapters.storage.format import (
     CONFIG,
-    HEADER,
     HEADER_AREA,
     MAGIC,
-    Located,
-    oserror,
+    Verdict,
     pack_header,
-    write_fully,
+    parse_header,
+    verify,
 )
 from kvhex.domain.keys import OffloadKey
 
-__all__ = ["INDEX", "KNOWN_ENTRIES", "SLAB_BYTES", "SLAB_DIR", "SlabIo", "is_slab_id"]
+__all__ = ["SLAB_BYTES", "PosixSlotMover", "SlabIo"]
 
 log = structlog.get_logger(__name__)
 
 SLAB_BYTES = 1 << 30
 """Largest slab file; a tier smaller than ``stripes`` of these gets ``stripes`` smaller ones."""
-INDEX = "index.sqlite"
-SLAB_DIR = "slabs"
-KNOWN_ENTRIES = frozenset({CONFIG, INDEX, INDEX + "-wal", INDEX + "-shm", SLAB_DIR})
-"""What a local namespace directory holds; anything else in it is foreign."""
-_SQL_VARS = 500  # keys per ``IN (...)`` query, under SQLite's variable limit
 _UNMARKED = bytes(len(MAGIC))
 _RUN_BLOCKS = 512
 """Blocks per vectored syscall: two buffers each, within Linux's ``IOV_MAX`` of 1024."""
-
-
-def _runs(places: Sequence[tuple[int, int] | None], stride: int) -> Iterator[list[int]]:
-    """Indices of ``places`` (fd, offset) in runs of adjacent slots of one file, each at most
-    ``_RUN_BLOCKS`` long; ``None`` places belong to no run."""
-    run: list[int] = []
-    for i, place in enumerate(places):
-        if place is None:
-            continue
-        if run and (len(run) == _RUN_BLOCKS or places[run[-1]] != (place[0], place[1] - stride)):
-            yield run
-            run = []
-        run.append(i)
-    if run:
-        yield run
-
-
-def is_slab_id(stem: str) -> bool:
-    """True for a slab file's name stem: 32 lower-case hex digits."""
-    return len(stem) == 32 and all(c in "0123456789abcdef" for c in stem)
 
 
 class _Slab:
@@ -107,152 +95,151 @@ class _Slab:
         self.free = [s for s in range(slots - 1, -1, -1) if s not in taken]
 
 
-class SlabIo:
-    """Slab files and their shared index under one namespace directory ``root``. See the
-    module docstring for ownership, crash safety and sharing.
+_Place = tuple[_Slab, int]
 
-    ``slot_size`` is a whole block (header area and payload); at most ``max_slots`` slots
-    exist in all. New slabs are created while jobs find no free slot in a slab that no other
-    job is writing, up to ``max_slots``.
+
+class SlabIo:
+    """Slab files and their shared index under one namespace directory ``root``, created and
+    checked at construction. See the module docstring.
+
+    Args:
+        root: the namespace directory.
+        slot_size: bytes per slot (one whole block: header area and payload).
+        max_slots: slots this instance may create in all (its capacity).
+        config: what ``config.json`` must record (written if absent).
+        fsync: flush each job's blocks to the device before publishing them.
+        stripes: spread the capacity over at least this many slab files.
+        mover: copies blocks into and out of slots (default: POSIX ``pwritev``/``preadv``).
+
+    Raises:
+        NamespaceConflict: ``config.json`` records another configuration.
+        OSError, sqlite3.Error: the directory or the index cannot be used.
     """
 
+    exclusive = True
+    """Only this instance frees the slots of the slabs it holds locked."""
+
     def __init__(
-        self, root: str, slot_size: int, max_slots: int, *, fsync: bool, stripes: int = 1
+        self,
+        root: str,
+        slot_size: int,
+        max_slots: int,
+        *,
+        config: bytes,
+        fsync: bool = False,
+        stripes: int = 1,
+        mover: SlotMover | None = None,
     ) -> None:
         self.root = root
         self.slab_dir = os.path.join(root, SLAB_DIR)
         self.slot_size = slot_size
         self.max_slots = max_slots
-        spread = -(-max_slots // max(1, stripes))
-        self.per_slab = max(1, min(spread, SLAB_BYTES // slot_size))
+        self.per_slab = max(1, min(-(-max_slots // max(1, stripes)), SLAB_BYTES // slot_size))
         self.fsync = fsync
-        self._lock = threading.Lock()  # slabs, free lists, _where, foreign fds
-        self._db_lock = threading.Lock()
-        self._db: sqlite3.Connection | None = None
+        self.mover: SlotMover = mover or PosixSlotMover()
+        self._lock = threading.Lock()
         self._slabs: dict[str, _Slab] = {}
-        self._where: dict[OffloadKey, tuple[_Slab, int]] = {}
+        self._where: dict[OffloadKey, _Place] = {}
         self._foreign_fds: dict[str, int] = {}
-        self._adopted: list[tuple[OffloadKey, float]] = []
-        self._foreign = 0
-        self._unpublished: list[tuple[OffloadKey, str]] = []  # rows of freed slots
-        self._rebuilt = False  # the index was unreadable: adopted slabs are scanned
+        os.makedirs(root, mode=0o700, exist_ok=True)
+        os.makedirs(self.slab_dir, mode=0o700, exist_ok=True)
+        recorded = _write_config(os.path.join(root, CONFIG), config)
+        if recorded is not None and recorded != config:
+            raise NamespaceConflict(recorded)
+        self.index = SlabIndex(root, fsync=fsync)
+        if self.index.rebuilt:
+            log.warning("tier_index_rebuilt", root=root)
+        self._inventory = self._adopt_all()
 
     # -- start-up ------------------------------------------------------------------------
-    def prepare(self) -> None:
-        os.makedirs(self.root, mode=0o700, exist_ok=True)  # the namespace directory
-        os.makedirs(self.slab_dir, mode=0o700, exist_ok=True)
-        try:
-            self._db = self._open_index()
-            self._query("SELECT count(*) FROM blocks", ())  # reads every page header
-        except sqlite3.DatabaseError as exc:
-            # unreadable (a power loss without fsync, a damaged disk): start a new index and
-            # recover this instance's blocks from the headers of the slabs it adopts
-            log.warning("tier_index_rebuilt", root=self.root, error=str(exc)[:200])
-            if self._db is not None:
-                self._db.close()
-            for suffix in ("", "-wal", "-shm"):
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(os.path.join(self.root, INDEX + suffix))
-            self._db = self._open_index()
-            self._rebuilt = True
-        self._foreign = sum(1 for name in os.listdir(self.root) if name not in KNOWN_ENTRIES)
+    def _adopt_all(self) -> Inventory:
+        """Take over the slabs of dead instances (their lock is free) with their blocks,
+        each key once (the newest copy; older copies are removed)."""
+        foreign = sum(1 for name in os.listdir(self.root) if name not in KNOWN_ENTRIES)
+        rows: dict[str, list[Row]] = {}
+        if not self.index.rebuilt:
+            for row in self.index.rows():
+                rows.setdefault(row[1], []).append(row)
+        held: list[tuple[float, OffloadKey, _Place]] = []
         for name in sorted(os.listdir(self.slab_dir)):
             stem, _, ext = name.partition(".")
             if not is_slab_id(stem) or ext not in ("slab", "new"):
-                self._foreign += 1
+                foreign += 1
                 continue
-            self._adopt(stem, os.path.join(self.slab_dir, name), ext == "new")
+            slab = self._adopt(stem, os.path.join(self.slab_dir, name), ext == "new")
+            if slab is None:
+                continue
+            if self.index.rebuilt:
+                found = self._scan(slab)
+            else:
+                found = [(k, s, t) for k, _, s, t in rows.get(stem, ()) if 0 <= s < slab.slots]
+            for key, slot, stored in found:
+                held.append((stored, key, (slab, slot)))
+        held.sort(key=lambda h: h[0])  # oldest first: a later copy of a key replaces it
+        older: list[tuple[OffloadKey, _Place]] = []
+        for _, key, place in held:
+            if key in self._where:
+                older.append((key, self._where[key]))
+            self._where[key] = place
+        for slab in self._slabs.values():
+            taken = {slot for s, slot in self._where.values() if s is slab}
+            slab.free = [s for s in range(slab.slots - 1, -1, -1) if s not in taken]
+        if older:  # a key in two adopted slabs: the older copy's row goes, then its header
+            self.index.commit(
+                [(k, slab.name) for k, (slab, _) in older if self._where[k][0] is not slab]
+            )
+            for _, (slab, slot) in older:
+                os.pwrite(slab.fd, _UNMARKED, slot * self.slot_size)
+        order = [key for _, key, place in held if self._where[key] == place]
+        return Inventory(order, foreign)
 
-    def _open_index(self) -> sqlite3.Connection:
-        path = os.path.join(self.root, INDEX)
-        os.close(os.open(path, os.O_RDWR | os.O_CREAT, 0o600))  # SQLite's files inherit 0600
-        db = sqlite3.connect(path, timeout=30, isolation_level=None, check_same_thread=False)
-        db.execute("PRAGMA journal_mode=WAL")
-        # without fsync, SQLite need not sync either: a process crash keeps every committed
-        # transaction (the WAL is in the page cache); a power loss may cost the index, which
-        # is then rebuilt from the slab headers
-        db.execute(f"PRAGMA synchronous={'NORMAL' if self.fsync else 'OFF'}")
-        db.execute(
-            "CREATE TABLE IF NOT EXISTS blocks (key BLOB NOT NULL, slab TEXT NOT NULL, "
-            "slot INTEGER NOT NULL, stored REAL NOT NULL, PRIMARY KEY (key, slab)) WITHOUT ROWID"
-        )
-        db.execute("CREATE INDEX IF NOT EXISTS blocks_by_slab ON blocks (slab, slot)")
-        return db
-
-    def _scan(self, name: str, fd: int, slots: int) -> list[tuple[OffloadKey, int, float]]:
-        """Blocks whose header looks whole in each slot of a slab (payloads are verified when
-        read), written back to the index."""
-        stored = os.fstat(fd).st_mtime
-        payload = self.slot_size - HEADER_AREA
-        found: list[tuple[OffloadKey, int, float]] = []
-        for slot in range(slots):
-            header = os.pread(fd, HEADER.size + 255, slot * self.slot_size)
-            if len(header) < HEADER.size:
-                break
-            magic, length, _, key_len = HEADER.unpack_from(header)
-            key = header[HEADER.size : HEADER.size + key_len]
-            if magic == MAGIC and length == payload and 4 < key_len == len(key):
-                found.append((OffloadKey(key), slot, stored))
-        self._commit([(key, name, slot, t) for key, slot, t in found])
-        return found
-
-    def _adopt(self, name: str, path: str, unfinished: bool) -> None:
-        """Take over a dead instance's slab (its lock is free) with the blocks it holds."""
+    def _adopt(self, name: str, path: str, unfinished: bool) -> _Slab | None:
         try:
             fd = os.open(path, os.O_RDWR)
         except FileNotFoundError:
-            return
+            return None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:
             os.close(fd)  # a live instance's
-            return
+            return None
         slots = os.fstat(fd).st_size // self.slot_size
         if unfinished or slots == 0:  # a crash while creating it: it never held a block
             os.unlink(path)
             os.close(fd)
-            return
-        if self._rebuilt:
-            held = self._scan(name, fd, slots)
-        else:
-            rows = self._query("SELECT key, slot, stored FROM blocks WHERE slab = ?", (name,))
-            held = [(OffloadKey(bytes(k)), s, t) for k, s, t in rows if 0 <= s < slots]
-        slab = _Slab(name, path, fd, slots, (s for _, s, _ in held))
+            return None
+        slab = _Slab(name, path, fd, slots, ())
         self._slabs[name] = slab
-        for key, slot, stored in held:
-            self._where[key] = (slab, slot)
-            self._adopted.append((key, stored))
+        return slab
 
-    def inventory(self) -> tuple[list[tuple[OffloadKey, float]], int]:
-        """Blocks adopted at start-up with their store time, and foreign entries seen."""
-        return self._adopted, self._foreign
+    def _scan(self, slab: _Slab) -> list[tuple[OffloadKey, int, float]]:
+        """Blocks whose header looks whole in each slot of a slab (payloads are verified when
+        read), written back to the index (an unreadable index is being rebuilt)."""
+        stored = os.fstat(slab.fd).st_mtime
+        payload = self.slot_size - HEADER_AREA
+        found: list[tuple[OffloadKey, int, float]] = []
+        for slot in range(slab.slots):
+            header = parse_header(os.pread(slab.fd, 512, slot * self.slot_size))
+            if header is None:
+                break
+            if header.magic == MAGIC and header.length == payload and len(header.key) > 4:
+                found.append((OffloadKey(header.key), slot, stored))
+        self.index.commit([], [(k, slab.name, s, t) for k, s, t in found])
+        return found
 
-    def write_config(self, name: str, data: bytes) -> bytes | None:
-        path = os.path.join(self.root, name)
-        tmp = f"{path}.{uuid.uuid4().hex}"
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        try:
-            write_fully(fd, (data,), 0)
-        finally:
-            os.close(fd)
-        try:
-            os.link(tmp, path)  # atomic create-if-absent
-        except FileExistsError:
-            with open(path, "rb") as existing:
-                return existing.read()
-        finally:
-            os.unlink(tmp)
-        return None
+    def inventory(self) -> Inventory:
+        """Blocks adopted at start-up, oldest first, and foreign entries seen."""
+        return self._inventory
 
     # -- slots ---------------------------------------------------------------------------
     def _allocate(
-        self, count: int, room: Sequence[tuple[_Slab, int]]
-    ) -> tuple[list[tuple[_Slab, int]], list[tuple[_Slab, int]], str | None]:
-        """Slots for a job of ``count`` blocks: the job's own ``room`` first (the slots its
-        evictions freed), then free ones from the slabs the fewest jobs are writing (a new
-        slab while every one with room is being written and the capacity allows it). Returns
-        the slots, the room left over, and why there are fewer than ``count``. Each slab a
-        job writes counts it as a writer until :meth:`_written`."""
+        self, count: int, room: Sequence[_Place]
+    ) -> tuple[list[_Place], list[_Place], str | None]:
+        """Slots for a job of ``count`` blocks: the job's own ``room`` first (its victims'
+        slots), then free ones from the slabs the fewest jobs are writing (a new slab while
+        every one with room is being written and the capacity allows it). Returns the
+        slots, the room left over, and why there are fewer than ``count``. Each slab a job
+        writes counts it as a writer until :meth:`_written`."""
         ordered = sorted(room, key=_file_order)
         got, spare = ordered[:count], ordered[count:]
         with self._lock:
@@ -280,15 +267,15 @@ class SlabIo:
                 del slab.free[-take:]
         return got, spare, None
 
-    def _written(self, slots: list[tuple[_Slab, int]]) -> None:
+    def _written(self, slots: list[_Place]) -> None:
         """A job's writes ended: each slab it wrote loses a writer."""
         with self._lock:
             for slab in {slab for slab, _ in slots}:
                 slab.writers -= 1
 
-    def _free(self, slots: Sequence[tuple[_Slab, int]]) -> None:
-        """Unmark the headers of ``slots`` (a rebuilt index never brings a removed or torn
-        block back), then make them free."""
+    def _free(self, slots: Sequence[_Place]) -> None:
+        """Unmark the headers of ``slots`` (no rebuilt index or scan brings a removed or torn
+        block back), then make them free. Their rows must be gone already."""
         for slab, slot in slots:
             with contextlib.suppress(OSError):
                 os.pwrite(slab.fd, _UNMARKED, slot * self.slot_size)
@@ -314,67 +301,43 @@ class SlabIo:
         self._slabs[name] = slab
         return slab
 
-    # -- index ---------------------------------------------------------------------------
-    def _query(self, sql: str, args: Sequence[Any]) -> list[Any]:
-        assert self._db is not None
-        with self._db_lock:
-            return self._db.execute(sql, args).fetchall()
+    def _take(self, keys: Iterable[OffloadKey]) -> list[tuple[OffloadKey, _Place]]:
+        """Take the places of the owned ones among ``keys`` out of the block map."""
+        with self._lock:
+            return [(k, where) for k in keys if (where := self._where.pop(k, None))]
 
-    def _commit(self, inserts: list[tuple[Any, ...]]) -> None:
-        """Publish ``inserts`` and the removals queued so far in one transaction.
+    def _unpublish(self, places: list[tuple[OffloadKey, _Place]]) -> None:
+        """Delete the rows of ``places`` (taken out of the block map), before their slots are
+        reused or unmarked.
 
         Raises:
-            sqlite3.Error, OSError: the transaction failed; none of its rows are published
-                (the removals are queued again for the next one).
+            sqlite3.Error: the rows remain; the places are owned again.
         """
-        with self._lock:
-            deletes, self._unpublished = self._unpublished, []
         try:
-            with self._db_lock:
-                self._transaction(deletes, inserts)
+            self.index.commit([(key, slab.name) for key, (slab, _) in places])
         except BaseException:
-            with self._lock:  # retried with the next transaction
-                self._unpublished[:0] = deletes
+            with self._lock:
+                for key, place in places:
+                    self._where.setdefault(key, place)
             raise
 
-    def _transaction(self, deletes: list[tuple[Any, ...]], inserts: list[tuple[Any, ...]]) -> None:
-        db = self._db
-        assert db is not None
-        db.execute("BEGIN IMMEDIATE")
-        try:
-            db.executemany("DELETE FROM blocks WHERE key = ? AND slab = ?", deletes)
-            db.executemany("INSERT OR REPLACE INTO blocks VALUES (?, ?, ?, ?)", inserts)
-        except BaseException:
-            db.execute("ROLLBACK")
-            raise
-        db.execute("COMMIT")
-
-    def _lookup(self, keys: list[OffloadKey]) -> dict[OffloadKey, tuple[str, int]]:
-        """Where other instances hold ``keys``, from the shared index."""
-        found: dict[OffloadKey, tuple[str, int]] = {}
-        for start in range(0, len(keys), _SQL_VARS):
-            batch = keys[start : start + _SQL_VARS]
-            marks = ",".join("?" * len(batch))
-            sql = f"SELECT key, slab, slot FROM blocks WHERE key IN ({marks})"
-            for key, slab, slot in self._query(sql, batch):
-                found.setdefault(OffloadKey(bytes(key)), (slab, slot))
-        return found
-
-    # -- IO ------------------------------------------------------------------------------
+    # -- BlockIo -------------------------------------------------------------------------
     def write_many(
-        self,
-        items: list[tuple[OffloadKey, memoryview]],
-        room: Sequence[tuple[_Slab, int]] = (),
+        self, items: Sequence[tuple[OffloadKey, memoryview]], evict: Sequence[OffloadKey] = ()
     ) -> list[str | None]:
-        """Write and publish ``items``; per item ``None`` or why it was not stored. ``room``
-        is what :meth:`remove_many` freed for this job (``defer``): written into first, and
-        whatever is left of it is unmarked and freed before the job's index commit."""
+        """Remove the victims ``evict`` (their rows first), write ``items`` into their slots
+        and free ones, publish the written blocks; per item ``None`` or why it was not
+        stored."""
+        victims = self._take(evict)
+        if victims:
+            self._unpublish(victims)
+        room = [place for _, place in victims]
         slots, spare, short = self._allocate(len(items), room)
         errors: list[str | None] = [None] * len(items)
         errors[len(slots) :] = [short] * (len(items) - len(slots))
         size = self.slot_size
         try:
-            written = self._write_blocks(
+            written = self.mover.write_slots(
                 [
                     (slab.fd, slot * size, key, view)
                     for (key, view), (slab, slot) in zip(items, slots, strict=False)
@@ -393,47 +356,35 @@ class SlabIo:
                 errors[i] = error
                 unused.append(place)
         self._free(unused)
+        replaced = self._take(key for key, _, _ in done)  # an older copy of a key rewritten
         try:
-            if done:
-                if self.fsync:
-                    for fd in {slab.fd for _, slab, _ in done}:
-                        os.fdatasync(fd)
-                now = time.time()
-                self._commit([(key, slab.name, slot, now) for key, slab, slot in done])
-        except (OSError, sqlite3.Error) as exc:
+            if self.fsync:
+                for fd in {slab.fd for _, slab, _ in done}:
+                    os.fdatasync(fd)
+            now = time.time()
+            # one transaction: the rows of older copies of rewritten keys go (deletes run
+            # first), the new rows come
+            self.index.commit(
+                [(key, slab.name) for key, (slab, _) in replaced],
+                [(key, slab.name, slot, now) for key, slab, slot in done],
+            )
+        except Exception as exc:
             text = oserror(exc) if isinstance(exc, OSError) else f"index: {exc}"
             errors[: len(slots)] = [text if e is None else e for e in errors[: len(slots)]]
+            with self._lock:
+                for key, place in replaced:
+                    self._where.setdefault(key, place)
             self._free([(slab, slot) for _, slab, slot in done])
             self._written(slots)
             return errors
         with self._lock:
             for key, slab, slot in done:
                 self._where[key] = (slab, slot)
+        self._free([place for _, place in replaced])
         self._written(slots)
         return errors
 
-    def _write_blocks(
-        self, blocks: list[tuple[int, int, OffloadKey, memoryview]]
-    ) -> list[str | None]:
-        """Write each (fd, offset, key, payload), header and payload back to back: one
-        ``pwritev`` for each run of adjacent slots. Checksums are computed first (the pass
-        leaves each payload in the CPU cache for the copy); a write cut short leaves headers
-        whose checksums fail, and the index never names them."""
-        errors: list[str | None] = [None] * len(blocks)
-        for run in _runs([(fd, offset) for fd, offset, _, _ in blocks], self.slot_size):
-            parts: list[bytes | memoryview] = []
-            for i in run:
-                _, _, key, payload = blocks[i]
-                parts += (pack_header(key, payload), payload)
-            fd, offset, _, _ = blocks[run[0]]
-            try:
-                write_fully(fd, parts, offset)
-            except OSError as exc:
-                for i in run:
-                    errors[i] = oserror(exc)
-        return errors
-
-    def _locate(self, keys: list[OffloadKey]) -> list[tuple[int, int] | None]:
+    def _locate(self, keys: Sequence[OffloadKey]) -> list[tuple[int, int] | None]:
         """(fd, offset) of each key: owned blocks first, then other instances' slabs."""
         out: list[tuple[int, int] | None] = []
         missing: list[OffloadKey] = []
@@ -446,7 +397,7 @@ class SlabIo:
                 else:
                     out.append((where[0].fd, where[1] * self.slot_size))
         if missing:
-            elsewhere = self._lookup(missing)
+            elsewhere = self.index.lookup(missing)
             for i, key in enumerate(keys):
                 if out[i] is None and key in elsewhere:
                     slab, slot = elsewhere[key]
@@ -468,103 +419,142 @@ class SlabIo:
                 self._foreign_fds[slab] = fd
             return fd
 
-    def read_many(self, items: list[tuple[OffloadKey, memoryview]]) -> list[bytes | None]:
+    def read_many(self, items: Sequence[tuple[OffloadKey, memoryview]]) -> list[Verdict]:
+        """Read and verify each key's block (this instance's or another's)."""
         places = self._locate([key for key, _ in items])
-        return self._read_blocks(
-            [(place, view) for place, (_, view) in zip(places, items, strict=True)]
-        )
+        located = [(i, place) for i, place in enumerate(places) if place is not None]
+        headers = self.mover.read_slots([(fd, off, items[i][1]) for i, (fd, off) in located])
+        verdicts = [Verdict.MISSING] * len(items)
+        for (i, _), header in zip(located, headers, strict=True):
+            key, view = items[i]
+            verdicts[i] = verify(header, key, view)
+        return verdicts
 
-    def _read_blocks(
-        self, blocks: list[tuple[tuple[int, int] | None, memoryview]]
-    ) -> list[bytes | None]:
-        """The header area of each block, its payload read into the view (one ``preadv``
-        for each run of adjacent slots); ``None`` if it is not in the index, ``b""`` for a
-        short read."""
-        out: list[bytes | None] = [None] * len(blocks)
-        places = [place for place, _ in blocks]
-        for run in _runs(places, self.slot_size):
-            headers = [bytearray(HEADER_AREA) for _ in run]
-            parts = [part for i, h in zip(run, headers, strict=True) for part in (h, blocks[i][1])]
-            first = places[run[0]]
-            assert first is not None  # runs hold located blocks only
-            got = os.preadv(first[0], parts, first[1])
-            for i, header in zip(run, headers, strict=True):
-                size = HEADER_AREA + len(blocks[i][1])
-                out[i] = bytes(header) if got >= size else b""
-                got -= size
-        return out
+    def remove_many(self, keys: Sequence[OffloadKey]) -> None:
+        """Remove the blocks of ``keys`` this instance owns: rows first, then the slots."""
+        places = self._take(keys)
+        if places:
+            self._unpublish(places)
+            self._free([place for _, place in places])
 
-    def invalid(self, key: OffloadKey) -> bool:
-        """``key`` failed verification: drop it if this instance owns it (True); a block
-        another instance owns, or one already gone, is left alone (False)."""
-        with self._lock:
-            if key not in self._where:
-                return False
-        self.remove_many([key])
-        return True
-
-    def remove_many(
-        self, keys: Sequence[OffloadKey], *, defer: bool = False
-    ) -> list[tuple[_Slab, int]]:
-        """Drop the blocks of ``keys`` this instance owns.
-
-        With ``defer`` (a put's evictions) their index rows go with the next transaction and
-        their slots are returned, old headers intact, as room for that put
-        (:meth:`write_many`); nobody else can take them meanwhile. Otherwise the headers are
-        unmarked, the slots freed and the rows deleted now. A reader sent to a reused slot by
-        a stale row finds another key's header there: a miss, never wrong bytes.
-        """
-        with self._lock:
-            freed = [(key, where) for key in keys if (where := self._where.pop(key, None))]
-            if defer:
-                self._unpublished.extend((key, slab.name) for key, (slab, _) in freed)
-                return [where for _, where in freed]
-        self._free([where for _, where in freed])
-        with self._lock:
-            self._unpublished.extend((key, slab.name) for key, (slab, _) in freed)
-            if not self._unpublished:
-                return []
-        self._commit([])
-        return []
-
-    def exists_many(self, keys: list[OffloadKey]) -> set[OffloadKey]:
+    def exists_many(self, keys: Sequence[OffloadKey]) -> set[OffloadKey]:
+        """Keys held here or by another instance on this root."""
         with self._lock:
             found = {k for k in keys if k in self._where}
         rest = [k for k in keys if k not in found]
-        return found | set(self._lookup(rest)) if rest else found
+        return found | set(self.index.lookup(rest)) if rest else found
 
     def location(self, key: OffloadKey) -> Located:
+        """The slab file holding ``key``'s block and the offset of its header.
+
+        Raises:
+            KeyError: no instance on this root holds ``key``.
+        """
         with self._lock:
             where = self._where.get(key)
         if where is not None:
             return where[0].path, where[1] * self.slot_size
-        found = self._lookup([key])
+        found = self.index.lookup([key])
         if key not in found:
             raise KeyError(key.hex())
         slab, slot = found[key]
         return os.path.join(self.slab_dir, slab + ".slab"), slot * self.slot_size
 
     def close(self) -> None:
-        if self._db is not None and self._unpublished:
-            with contextlib.suppress(sqlite3.Error):
-                self._commit([])
+        """Release the mover, then the slabs (their locks: a later instance may adopt
+        them) and the index."""
+        self.mover.close()
         with self._lock:
             for fd in self._foreign_fds.values():
                 os.close(fd)
             for slab in self._slabs.values():
-                os.close(slab.fd)  # releases the lock: a later instance may adopt it
+                os.close(slab.fd)
             self._foreign_fds.clear()
             self._slabs.clear()
             self._where.clear()
-        if self._db is not None:
-            with self._db_lock:
-                self._db.close()
-            self._db = None
+        self.index.close()
+
+
+class PosixSlotMover:
+    """Blocks in and out of slab slots with positional vectored IO: one ``pwritev`` (header
+    and payload of every block back to back) and one ``preadv`` per run of adjacent slots of
+    one file, up to 512 blocks. Checksums are computed first: the pass leaves each payload in
+    the CPU cache for the kernel's copy."""
+
+    def write_slots(
+        self, blocks: Sequence[tuple[int, int, OffloadKey, memoryview]]
+    ) -> list[str | None]:
+        """Write each (fd, offset, key, payload); a run cut short fails all its blocks."""
+        errors: list[str | None] = [None] * len(blocks)
+        for run in _runs([(fd, off, len(p)) for fd, off, _, p in blocks]):
+            parts: list[bytes | memoryview] = []
+            for i in run:
+                _, _, key, payload = blocks[i]
+                parts += (pack_header(key, payload), payload)
+            fd, offset, _, _ = blocks[run[0]]
+            try:
+                write_fully(fd, parts, offset)
+            except OSError as exc:
+                for i in run:
+                    errors[i] = oserror(exc)
+        return errors
+
+    def read_slots(self, blocks: Sequence[tuple[int, int, memoryview]]) -> list[bytes]:
+        """The header area of each block, its payload read into the view; ``b""`` when the
+        slot is cut short."""
+        out = [b""] * len(blocks)
+        for run in _runs([(fd, off, len(v)) for fd, off, v in blocks]):
+            headers = [bytearray(HEADER_AREA) for _ in run]
+            parts = [part for i, h in zip(run, headers, strict=True) for part in (h, blocks[i][2])]
+            fd, offset, _ = blocks[run[0]]
+            got = os.preadv(fd, parts, offset)
+            for i, header in zip(run, headers, strict=True):
+                size = HEADER_AREA + len(blocks[i][2])
+                out[i] = bytes(header) if got >= size else b""
+                got -= size
+        return out
+
+    def close(self) -> None:
+        """Nothing held."""
+
+
+def _runs(places: Sequence[tuple[int, int, int]]) -> Iterator[list[int]]:
+    """Indices of ``places`` (fd, offset, payload length) in runs of adjacent blocks of one
+    file, each at most ``_RUN_BLOCKS`` long."""
+    run: list[int] = []
+    end = (-1, -1)
+    for i, (fd, offset, length) in enumerate(places):
+        if run and (len(run) == _RUN_BLOCKS or (fd, offset) != end):
+            yield run
+            run = []
+        run.append(i)
+        end = (fd, offset + HEADER_AREA + length)
+    if run:
+        yield run
+
+
+def _write_config(path: str, data: bytes) -> bytes | None:
+    """Create ``path`` holding ``data`` unless it exists (atomically); what it held if it
+    did."""
+    tmp = f"{path}.{uuid.uuid4().hex}"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        write_fully(fd, (data,), 0)
+    finally:
+        os.close(fd)
+    try:
+        os.link(tmp, path)  # atomic create-if-absent
+    except FileExistsError:
+        with open(path, "rb") as existing:
+            return existing.read()
+    finally:
+        os.unlink(tmp)
+    return None
 
 
 def _writers(slab: _Slab) -> int:
     return slab.writers
 
 
-def _file_order(place: tuple[_Slab, int]) -> tuple[str, int]:
+def _file_order(place: _Place) -> tuple[str, int]:
     return place[0].name, place[1]

@@ -1,0 +1,217 @@
+"""The data path under a storage tier: the seam a new backend plugs into.
+
+:class:`~kvhex.adapters.storage.tier.BlockTierStore` keeps the bookkeeping (the domain's
+residency index, jobs, events, IO threads); a :class:`BlockIo` moves and finds blocks in one
+namespace of one storage. Two are built in: slab files with a shared index
+(:mod:`kvhex.adapters.storage.files.slabs`) and one object per block
+(:mod:`kvhex.adapters.storage.objects`). Each takes a mover that only copies bytes
+(:class:`SlotMover` for slab slots, :class:`ObjectMover` for objects), so NIXL plugs in by
+handing its own movers over, not by subclassing (:mod:`kvhex.adapters.storage.nixl`).
+
+Threads: every method of these Protocols runs on the tier's IO threads, several at once, and
+may block on IO; none is called on the scheduler thread after start-up. Buffers: the views
+passed in are host slots the tier keeps pinned (put) or reserved (get) for the call's length;
+implementations never keep them.
+
+Also here: the few IO helpers every backend shares (:func:`write_fully`, :func:`oserror`,
+:func:`safe_error`).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from typing import NamedTuple, Protocol, runtime_checkable
+
+from kvhex.adapters.storage.format import Verdict
+from kvhex.domain.keys import OffloadKey
+
+__all__ = [
+    "BlockIo",
+    "Inventory",
+    "Located",
+    "Locating",
+    "NamespaceConflict",
+    "ObjectMover",
+    "SlotMover",
+    "StoreLost",
+    "oserror",
+    "safe_error",
+    "write_fully",
+]
+
+Located = tuple[str, int]
+"""Where a block lives: a file or object, and the byte offset of its header."""
+
+
+class Inventory(NamedTuple):
+    """What a namespace held when this instance started.
+
+    ``blocks``: the keys of blocks this instance now owns, oldest first, each once.
+    ``foreign``: entries in the namespace that are not the tier's (counted, ignored).
+    """
+
+    blocks: list[OffloadKey]
+    foreign: int
+
+
+class StoreLost(Exception):
+    """The storage itself is gone (a deleted bucket, an emptied namespace): no block this
+    instance announced can still be there. Raised by any :class:`BlockIo` method."""
+
+
+class NamespaceConflict(Exception):
+    """The namespace directory or prefix records another configuration than this one."""
+
+    def __init__(self, recorded: bytes) -> None:
+        self.recorded = recorded
+        super().__init__("the namespace records another configuration")
+
+
+@runtime_checkable
+class BlockIo(Protocol):
+    """Blocks of one namespace in one storage, in the block format of
+    :mod:`kvhex.adapters.storage.format`. Built (and its namespace prepared and checked) by
+    the tier's constructor; every method below runs on IO threads."""
+
+    @property
+    def exclusive(self) -> bool:
+        """True when only this instance ever removes the blocks it owns (local slabs it holds
+        locked): its index is the truth. False for object stores, where anyone with access may
+        delete objects: the tier then checks what its index lists against the storage."""
+        ...
+
+    def inventory(self) -> Inventory:
+        """The blocks this instance owns from start-up on (adopted from instances that died,
+        or listed) and the foreign entries seen. Called once, before any job."""
+        ...
+
+    def write_many(
+        self, items: Sequence[tuple[OffloadKey, memoryview]], evict: Sequence[OffloadKey] = ()
+    ) -> list[str | None]:
+        """Remove the blocks of ``evict`` (the job's victims: their room may be reused for
+        ``items``), then write ``items`` (key, payload) and make them findable. Per item
+        ``None``, or why it was not stored (nothing of a failed item may be found later).
+
+        Raises:
+            StoreLost: the storage is gone.
+            Exception: a failure outside per-item handling; then nothing was stored.
+        """
+        ...
+
+    def read_many(self, items: Sequence[tuple[OffloadKey, memoryview]]) -> list[Verdict]:
+        """Read each key's block, its payload into the view, and verify it. A view whose
+        verdict is not ``OK`` holds undefined bytes.
+
+        Raises:
+            StoreLost: the storage is gone.
+        """
+        ...
+
+    def exists_many(self, keys: Sequence[OffloadKey]) -> set[OffloadKey]:
+        """The keys whose blocks exist (this instance's or another's on the same storage).
+
+        Raises:
+            StoreLost: the storage is gone.
+        """
+        ...
+
+    def remove_many(self, keys: Sequence[OffloadKey]) -> None:
+        """Remove the blocks this instance owns among ``keys`` (absent ones are ignored), so
+        that no restart or other instance finds them again."""
+        ...
+
+    def close(self) -> None:
+        """Release files, locks, connections and movers. Called once, after the last job."""
+        ...
+
+
+@runtime_checkable
+class Locating(Protocol):
+    """Optional: a :class:`BlockIo` that can say where a block lives (debugging, fsck)."""
+
+    def location(self, key: OffloadKey) -> Located:
+        """The file or object holding ``key``'s block and the offset of its header.
+
+        Raises:
+            KeyError: no instance on this storage holds ``key``.
+        """
+        ...
+
+
+class SlotMover(Protocol):
+    """Copies blocks between host memory and slots of open slab files (what the slab IO
+    leaves to its mover: POSIX ``pwritev``/``preadv``, or NIXL's POSIX backend)."""
+
+    def write_slots(
+        self, blocks: Sequence[tuple[int, int, OffloadKey, memoryview]]
+    ) -> list[str | None]:
+        """Write each (fd, offset, key, payload) as a whole block (header area then payload)
+        at ``offset``; per block ``None`` or why it failed (a block cut short may be left:
+        its checksum fails and nothing names it)."""
+        ...
+
+    def read_slots(self, blocks: Sequence[tuple[int, int, memoryview]]) -> list[bytes]:
+        """Read each (fd, offset, view): the payload into the view, and return the header
+        area (``b""`` when the block is cut short)."""
+        ...
+
+    def close(self) -> None:
+        """Release what the mover holds (before the slab files close)."""
+        ...
+
+
+class ObjectMover(Protocol):
+    """Copies whole blocks between host memory and objects (what the object IO leaves to
+    its mover: s3fs batches, or NIXL's OBJ backend)."""
+
+    def put_objects(
+        self, objects: Sequence[tuple[str, OffloadKey, memoryview]]
+    ) -> list[str | None]:
+        """Write each (path, key, payload) as one object holding the whole block; per object
+        ``None`` or why it failed (a failed object is never left half-written)."""
+        ...
+
+    def get_objects(self, objects: Sequence[tuple[str, memoryview]]) -> list[bytes | None]:
+        """Read each (path, view): the payload into the view; return the header area,
+        ``None`` when the object does not exist, ``b""`` when it is not a whole block."""
+        ...
+
+    def close(self) -> None:
+        """Release what the mover holds."""
+        ...
+
+
+def write_fully(fd: int, parts: Sequence[bytes | memoryview], offset: int) -> None:
+    """Write ``parts`` back to back at ``offset``: one ``pwritev``, finished piece by piece
+    after a short write.
+
+    Raises:
+        OSError: the write failed (a full disk, an IO error).
+    """
+    done = os.pwritev(fd, parts, offset)
+    for part in parts:
+        view = memoryview(part).cast("B")
+        if done >= len(view):
+            done -= len(view)
+            offset += len(view)
+            continue
+        view, offset, done = view[done:], offset + done, 0
+        while view:
+            written = os.pwrite(fd, view, offset)
+            offset += written
+            view = view[written:]
+
+
+def oserror(exc: OSError) -> str:
+    """The text of a failed job for ``exc``: its type and reason, no path."""
+    return f"{type(exc).__name__}: {exc.strerror or exc}"
+
+
+def safe_error(exc: BaseException) -> str:
+    """An error text without credentials (fsspec/botocore messages can echo options)."""
+    text = str(exc)
+    for marker in ("key=", "secret=", "token=", "aws_secret_access_key", "aws_access_key_id"):
+        if marker in text:
+            return type(exc).__name__
+    return text[:300]

@@ -1,0 +1,425 @@
+"""``BlockTierStore``: a secondary tier over any :class:`~kvhex.adapters.storage.block_io.BlockIo`
+(slab files, objects, NIXL), its residency kept by the domain's
+:class:`~kvhex.domain.residency.Residency`.
+
+What the residency decides on the scheduler thread, the IO threads carry out:
+
+* A put reserves room (evictions announced now), and its IO job removes the victims' blocks
+  and writes the new ones; when polled, the written keys become readable and are announced
+  with the job's context. Keys another job is writing are left to it; present keys are skipped
+  or, where the storage is not this instance's alone (object stores), checked: a block the
+  store lost is announced removed and written again.
+* A get pins the readable keys it names and reads every key (another instance's block on a
+  shared root too); what it finds missing or corrupt is dropped (announced) if it is still the
+  block it looked for, and removed from storage. A probe answers from the index for this
+  instance's blocks and from the storage for the rest (all of them on object stores, where the
+  storage is the truth).
+* ``delete`` and every other removal leaves the index at once (announced), the blocks on an
+  IO thread. Until a key's block is gone, the key is not read, and a put of it or any put
+  (whose room the removal frees) waits for it: nothing announced removed is ever served again,
+  and a put right after a delete finds the room the delete freed.
+* Losing the storage itself (a deleted bucket) drops and announces everything.
+
+Threads: submissions, ``poll``, ``delete`` and every use of the residency and the event list
+run on the scheduler thread only; IO runs on a pool of ``io_threads`` and never touches them.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import os
+import time
+from collections import deque
+from collections.abc import Sequence
+from typing import Any
+
+import structlog
+
+from kvhex.adapters.storage.block_io import (
+    BlockIo,
+    Located,
+    Locating,
+    StoreLost,
+    safe_error,
+)
+from kvhex.adapters.storage.format import Verdict
+from kvhex.domain.events import TierEvent
+from kvhex.domain.jobs import JobKind, JobResult, TierJob
+from kvhex.domain.keys import OffloadKey
+from kvhex.domain.residency import Reservation, Residency, Snapshot
+from kvhex.domain.tiers import TierIdentity
+from kvhex.errors import TierUnavailable
+from kvhex.ports.host_buffer import HostBuffer
+
+__all__ = ["BlockTierStore", "default_io_threads"]
+
+log = structlog.get_logger(__name__)
+
+_Future = cf.Future[Any]
+
+
+class _Job:
+    """A job in flight: the job, what the residency gave it, when it started."""
+
+    __slots__ = ("job", "started", "state")
+
+    def __init__(self, job: TierJob, state: Reservation | Snapshot | None) -> None:
+        self.job = job
+        self.state = state
+        self.started = time.perf_counter()
+
+
+class BlockTierStore:
+    """A tier whose blocks an ``io`` moves. See the module docstring.
+
+    Args:
+        host: the host buffer whose slots jobs name.
+        io: the data path, its namespace already prepared.
+        identity: medium, locality and ownership announced in events.
+        capacity_bytes: bytes the tier may hold, ``block_bytes`` a block.
+        block_bytes: what one block costs in storage (header area included).
+        io_threads: concurrent IO jobs.
+    """
+
+    def __init__(
+        self,
+        host: HostBuffer,
+        io: BlockIo,
+        *,
+        identity: TierIdentity,
+        capacity_bytes: int,
+        block_bytes: int,
+        io_threads: int,
+    ) -> None:
+        self._host = host
+        self._io = io
+        self._identity = identity
+        self._name = identity.ownership or "tier"
+        self.capacity_bytes = capacity_bytes
+        self.io_threads = io_threads
+        self._index = Residency(identity, capacity_bytes, block_bytes)
+        self._exclusive = io.exclusive
+        self._jobs: dict[_Future, _Job] = {}
+        # removals in flight: a finished future is queued by its done callback, so poll costs
+        # what finished, not what is in flight
+        self._removals: dict[_Future, list[OffloadKey]] = {}
+        self._leaving: dict[OffloadKey, _Future] = {}  # key -> the removal of its block
+        self._finished: deque[_Future] = deque()
+        self.corrupt_blocks = 0
+        self.lost_blocks = 0
+        self.io_errors = 0
+        self._pool = cf.ThreadPoolExecutor(io_threads, thread_name_prefix=f"kvhex-{self._name}")
+        self._closed = False
+        inventory = io.inventory()
+        self.foreign_files = inventory.foreign
+        over = self._index.adopt(inventory.blocks)
+        if over:
+            io.remove_many(over)
+        if inventory.blocks or inventory.foreign:
+            log.info(
+                "tier_recovered",
+                tier=self._name,
+                blocks=len(self._index),
+                evicted=len(over),
+                foreign_files=inventory.foreign,
+            )
+
+    # -- TierStore -----------------------------------------------------------------------
+    @property
+    def identity(self) -> TierIdentity:
+        """Medium, locality and ownership announced in events."""
+        return self._identity
+
+    def submit_put(self, job: TierJob) -> None:
+        """Reserve room (evictions announced now) and write the new keys on an IO thread."""
+        self._check_open(job, JobKind.PUT)
+        reservation = self._index.reserve(job.keys, job.ctx, verify=not self._exclusive)
+        if reservation is None:
+            self._start(job, None, _done(([], [], "the job does not fit the tier's capacity")))
+            return
+        slots = dict(zip(job.keys, job.slots, strict=True))
+        writes = [(k, slots[k]) for k in reservation.owned]
+        checks = [(k, slots[k]) for k in reservation.verify.serials] if reservation.verify else []
+        leaving = self._leaving
+        # the removal of a key this job writes, and any removal whose room it may need
+        waits = {leaving[k] for k, _ in writes if k in leaving} | self._removals.keys()
+        victims = list(reservation.victims)
+        future = self._pool.submit(self._do_put, writes, checks, victims, list(waits))
+        self._remove_later(victims, future)
+        self._start(job, reservation, future)
+
+    def submit_get(self, job: TierJob) -> None:
+        """Read and verify ``job.keys`` into ``job.slots`` on an IO thread."""
+        self._check_open(job, JobKind.GET)
+        snapshot = self._index.snapshot(job.keys, pin=True)
+        items = [(k, s) for k, s in zip(job.keys, job.slots, strict=True) if self._readable_now(k)]
+        self._start(job, snapshot, self._pool.submit(self._do_get, items))
+
+    def submit_probe(self, job: TierJob) -> None:
+        """Which keys exist: the index answers for this instance's blocks (where it is the
+        truth), the storage for the rest."""
+        self._check_open(job, JobKind.PROBE)
+        readable = self._index.readable(job.keys)
+        asked = [k for k in job.keys if self._readable_now(k)]
+        if self._exclusive:
+            known = set(readable)
+            asked = [k for k in asked if k not in known]
+            snapshot = None
+        else:
+            known = set()
+            snapshot = self._index.snapshot(readable)
+        self._start(job, snapshot, self._pool.submit(self._do_probe, frozenset(known), asked))
+
+    def poll(self) -> list[JobResult]:
+        """Results of finished jobs, each once; applies them to the residency and events."""
+        results = []
+        finished = self._finished
+        while finished:
+            future = finished.popleft()
+            removed = self._removals.pop(future, None)
+            if removed is not None:
+                self._removed(future, removed)
+            entry = self._jobs.pop(future, None)
+            if entry is not None:
+                results.append(self._apply(entry, future))
+        return results
+
+    def delete(self, keys: Sequence[OffloadKey]) -> None:
+        """Remove the readable ``keys`` (each once) and announce them; their blocks go on an
+        IO thread."""
+        removed = self._index.delete(keys)
+        if removed and not self._closed:
+            self._remove_later(removed)
+
+    def drain(self) -> None:
+        """Block until every submitted job and removal finished."""
+        cf.wait([*self._jobs, *self._removals])
+
+    def close(self) -> None:
+        """Finish running IO, cancel queued jobs (reported failed by the next poll, their room
+        released). Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self._pool.shutdown(wait=True, cancel_futures=True)
+        self._io.close()
+
+    def take_events(self) -> list[TierEvent]:
+        """Events since the last call."""
+        return self._index.take_events()
+
+    # -- introspection -------------------------------------------------------------------
+    def __contains__(self, key: object) -> bool:
+        return key in self._index
+
+    def keys(self) -> list[OffloadKey]:
+        """Readable keys, in the order they became readable."""
+        return self._index.keys()
+
+    @property
+    def used_bytes(self) -> int:
+        """Bytes held, or reserved by puts in flight."""
+        return self._index.used_bytes
+
+    def location(self, key: OffloadKey) -> Located:
+        """Where ``key``'s block lives: a file or object path and the offset of its header.
+
+        Raises:
+            KeyError: no instance on this storage holds ``key``, or the storage cannot say.
+        """
+        if not isinstance(self._io, Locating):
+            raise KeyError(key.hex())
+        return self._io.location(key)
+
+    # -- bookkeeping (scheduler thread) --------------------------------------------------
+    def _check_open(self, job: TierJob, kind: JobKind) -> None:
+        if self._closed:
+            raise TierUnavailable("closed", tier=self._name)
+        if job.kind is not kind:
+            raise ValueError(f"job {job.job_id} is a {job.kind.value}, not a {kind.value}")
+
+    def _absent(self, key: OffloadKey) -> bool:
+        return key not in self._index and not self._index.is_pending(key)
+
+    def _readable_now(self, key: OffloadKey) -> bool:
+        """Whether a read may look for ``key``: not while this instance writes it (not
+        announced yet) or removes it (announced gone)."""
+        return key not in self._leaving and not self._index.is_pending(key)
+
+    def _start(self, job: TierJob, state: Reservation | Snapshot | None, future: _Future) -> None:
+        self._jobs[future] = _Job(job, state)
+        future.add_done_callback(self._finished.append)
+
+    def _remove_later(self, keys: list[OffloadKey], future: _Future | None = None) -> None:
+        """``keys`` left the index; their blocks are removed by ``future`` (a put removing
+        its victims) or by a removal of their own."""
+        if not keys:
+            return
+        if future is None:
+            future = self._pool.submit(self._io.remove_many, keys)
+            self._removals[future] = keys
+            future.add_done_callback(self._finished.append)
+        for key in keys:
+            self._leaving[key] = future
+
+    def _removed(self, future: _Future, keys: list[OffloadKey]) -> None:
+        self._gone(future, keys)
+        if not future.cancelled() and (exc := future.exception()) is not None:
+            self.io_errors += 1
+            log.warning("tier_remove_failed", tier=self._name, error=safe_error(exc))
+
+    def _gone(self, future: _Future, keys: Sequence[OffloadKey]) -> None:
+        leaving = self._leaving
+        for key in keys:
+            if leaving.get(key) is future:
+                del leaving[key]
+
+    def _apply(self, entry: _Job, future: _Future) -> JobResult:
+        job = entry.job
+        seconds = time.perf_counter() - entry.started
+        outcome: Any
+        if future.cancelled():
+            outcome = TierUnavailable("closed", tier=self._name)
+        else:
+            try:
+                outcome = future.result()
+            except Exception as exc:  # a bug, a lost store, an IO error outside per-key handling
+                outcome = exc
+        if isinstance(outcome, StoreLost):
+            self._lost_everything(outcome)
+        if job.kind is JobKind.PUT:
+            return self._apply_put(entry, future, outcome, seconds)
+        if job.kind is JobKind.GET:
+            return self._apply_get(entry, outcome, seconds)
+        return self._apply_probe(entry, outcome, seconds)
+
+    def _apply_put(self, entry: _Job, future: _Future, outcome: Any, seconds: float) -> JobResult:
+        job, reservation = entry.job, entry.state
+        written: list[OffloadKey]
+        lost: list[OffloadKey]
+        error: str | None
+        if isinstance(outcome, BaseException):
+            written, lost, error = [], [], _describe(outcome)
+        else:
+            written, lost, error = outcome
+        if isinstance(reservation, Reservation):
+            self._gone(future, reservation.victims)
+            strays = self._index.commit(reservation, set(written), set(lost))
+            self.lost_blocks += len(lost)
+            again = strays
+            if isinstance(outcome, BaseException) and not self._closed:
+                # the job may have stopped before removing its victims: remove those nobody
+                # has stored again since (a new writer of one replaces its block itself)
+                again = again + [k for k in reservation.victims if self._absent(k)]
+            self._remove_later([k for k in again if k not in self._leaving])
+        nbytes = len(written) * self._host.slot_bytes
+        if error is not None:
+            self.io_errors += 1
+            log.warning("tier_write_failed", tier=self._name, job_id=job.job_id, error=error)
+            return JobResult(job.job_id, False, nbytes=nbytes, seconds=seconds, error=error)
+        return JobResult(job.job_id, True, nbytes=nbytes, seconds=seconds)
+
+    def _apply_get(self, entry: _Job, outcome: Any, seconds: float) -> JobResult:
+        job, snapshot = entry.job, entry.state
+        assert isinstance(snapshot, Snapshot)
+        if isinstance(outcome, BaseException):
+            self._index.release(snapshot)
+            return JobResult(job.job_id, False, seconds=seconds, error=_describe(outcome))
+        ok, corrupt, missing = outcome
+        dropped = self._index.release(snapshot, ok, corrupt + missing, job.ctx)
+        if dropped:
+            self._remove_later(dropped)
+            self.lost_blocks += len(dropped)
+        if corrupt:
+            self.corrupt_blocks += len(corrupt)
+            log.warning(
+                "tier_block_corrupt", tier=self._name, job_id=job.job_id, blocks=len(corrupt)
+            )
+        nbytes = len(ok) * self._host.slot_bytes
+        if len(ok) == len(job.keys):
+            return JobResult(job.job_id, True, nbytes=nbytes, seconds=seconds)
+        return JobResult(
+            job.job_id,
+            False,
+            ok_keys=frozenset(ok),
+            nbytes=nbytes,
+            seconds=seconds,
+            error=f"{len(job.keys) - len(ok)} of {len(job.keys)} blocks missing or corrupt",
+        )
+
+    def _apply_probe(self, entry: _Job, outcome: Any, seconds: float) -> JobResult:
+        job, snapshot = entry.job, entry.state
+        if isinstance(outcome, BaseException):
+            if isinstance(snapshot, Snapshot):
+                self._index.release(snapshot)
+            return JobResult(job.job_id, False, seconds=seconds, error=_describe(outcome))
+        found: frozenset[OffloadKey] = outcome
+        if isinstance(snapshot, Snapshot):  # the storage is the truth: what it lacks is lost
+            lost = [k for k in snapshot.serials if k not in found]
+            dropped = self._index.release(snapshot, lost=lost)
+            self.lost_blocks += len(dropped)
+            self._remove_later(dropped)
+        return JobResult(job.job_id, True, found=found, seconds=seconds)
+
+    def _lost_everything(self, exc: StoreLost) -> None:
+        dropped = self._index.drop_all()
+        self.lost_blocks += len(dropped)
+        log.warning("tier_storage_lost", tier=self._name, blocks=len(dropped), error=str(exc))
+
+    # -- IO (pool threads; no shared state touched) ---------------------------------------
+    def _do_put(
+        self,
+        writes: list[tuple[OffloadKey, int]],
+        checks: list[tuple[OffloadKey, int]],
+        victims: list[OffloadKey],
+        waits: list[_Future],
+    ) -> tuple[list[OffloadKey], list[OffloadKey], str | None]:
+        cf.wait(waits)  # removals submitted earlier: they already hold a thread or are done
+        lost: list[OffloadKey] = []
+        if checks:
+            there = self._io.exists_many([k for k, _ in checks])
+            redo = [(k, s) for k, s in checks if k not in there]
+            lost = [k for k, _ in redo]
+            writes = writes + redo
+        view = self._host.slot_view
+        errors = self._io.write_many([(k, view(s)) for k, s in writes], victims)
+        written = [k for (k, _), err in zip(writes, errors, strict=True) if err is None]
+        return written, lost, next((e for e in errors if e is not None), None)
+
+    def _do_get(
+        self, items: list[tuple[OffloadKey, int]]
+    ) -> tuple[list[OffloadKey], list[OffloadKey], list[OffloadKey]]:
+        view = self._host.slot_view
+        verdicts = self._io.read_many([(k, view(s)) for k, s in items])
+        ok: list[OffloadKey] = []
+        corrupt: list[OffloadKey] = []
+        missing: list[OffloadKey] = []
+        for (key, _), verdict in zip(items, verdicts, strict=True):
+            if verdict is Verdict.OK:
+                ok.append(key)
+            elif verdict is Verdict.CORRUPT:
+                corrupt.append(key)
+            else:
+                missing.append(key)
+        return ok, corrupt, missing
+
+    def _do_probe(
+        self, known: frozenset[OffloadKey], asked: list[OffloadKey]
+    ) -> frozenset[OffloadKey]:
+        return known | frozenset(self._io.exists_many(asked)) if asked else known
+
+
+def _done(value: object) -> _Future:
+    future: _Future = cf.Future()
+    future.set_result(value)
+    return future
+
+
+def _describe(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {safe_error(exc)}"
+
+
+def default_io_threads(local: bool) -> int:
+    """Local files: the cores, up to 4 (page-cache copies are CPU work); object stores: 8
+    (requests wait on the network)."""
+    return min(4, os.cpu_count() or 1) if local else 8
