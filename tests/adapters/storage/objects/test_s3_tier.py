@@ -158,3 +158,90 @@ def test_wrong_credentials_fail_at_start_up_without_leaking_them(
         tier(host, s3_server, bucket, storage_options=wrong)
     assert "wrong-secret-value" not in str(info.value)
     assert info.value.tier == "s3"
+
+
+def _objects(endpoint: str) -> Any:
+    import s3fs
+
+    return s3fs.S3FileSystem(**s3_options(endpoint))
+
+
+def events_of(store: FsspecTierStore) -> list[tuple[str, set[int]]]:
+    """The tier's events as (kind, chunk ids)."""
+    out = []
+    for event in store.take_events():
+        assert isinstance(event, Stored | Removed)
+        ids = {int.from_bytes(k[:-4], "big") for k in event.keys}
+        out.append(("stored" if isinstance(event, Stored) else "removed", ids))
+    return out
+
+
+def test_a_probe_asks_the_store_and_announces_blocks_it_lost(s3_server: str, bucket: str) -> None:
+    """The server lost objects behind the tier's back: probes do not answer from the index."""
+    host = MemoryHostBuffer(4, SLOT)
+    store = tier(host, s3_server, bucket)
+    fill(host, 3, 1)
+    assert run(store, JobKind.PUT, [1, 2, 3]).success
+    store.take_events()
+    _objects(s3_server).rm([store.location(key(i))[0] for i in (1, 2)])
+    assert run(store, JobKind.PROBE, [1, 2, 3]).found == frozenset({key(3)})
+    assert events_of(store) == [("removed", {1, 2})]
+    assert store.keys() == [key(3)]
+    store.close()
+
+
+def test_a_put_of_a_listed_key_the_store_lost_writes_it_again_and_says_so(
+    s3_server: str, bucket: str
+) -> None:
+    host = MemoryHostBuffer(4, SLOT)
+    store = tier(host, s3_server, bucket)
+    fill(host, 2, 1)
+    assert run(store, JobKind.PUT, [1, 2]).success
+    store.take_events()
+    fs = _objects(s3_server)
+    fs.rm(store.location(key(1))[0])
+    fill(host, 2, 1)
+    assert run(store, JobKind.PUT, [1, 2]).success  # 2 is still there: checked, not rewritten
+    assert events_of(store) == [("removed", {1}), ("stored", {1})]
+    assert fs.exists(store.location(key(1))[0])
+    assert run(store, JobKind.GET, [1, 2], [2, 3]).success
+    assert bytes(host.slot_view(2)) == bytes([1]) * SLOT
+    assert run(store, JobKind.PUT, [1, 2]).success
+    assert store.take_events() == []  # present and there: nothing new
+    store.close()
+
+
+def test_an_emptied_namespace_is_announced_as_every_block_gone(s3_server: str, bucket: str) -> None:
+    host = MemoryHostBuffer(4, SLOT)
+    store = tier(host, s3_server, bucket)
+    fill(host, 3, 1)
+    assert run(store, JobKind.PUT, [1, 2, 3]).success
+    store.take_events()
+    _objects(s3_server).rm(store.root, recursive=True)  # config.json and every block
+    assert run(store, JobKind.PROBE, [1]).found == frozenset()
+    assert events_of(store) == [("removed", {1, 2, 3})]
+    assert run(store, JobKind.PUT, [4], [0]).success  # the namespace works again
+    assert events_of(store) == [("stored", {4})]
+    store.close()
+    again = tier(host, s3_server, bucket)  # and restarts into the same namespace
+    assert events_of(again) == [("stored", {4})]
+    again.close()
+
+
+def test_a_deleted_bucket_is_announced_as_every_block_gone(s3_server: str, bucket: str) -> None:
+    host = MemoryHostBuffer(4, SLOT)
+    store = tier(host, s3_server, bucket)
+    fill(host, 2, 1)
+    assert run(store, JobKind.PUT, [1, 2]).success
+    store.take_events()
+    fs = _objects(s3_server)
+    fs.rm(bucket, recursive=True)
+    if fs.exists(bucket):
+        fs.rmdir(bucket)
+    put = run(store, JobKind.PUT, [3], [0])
+    assert not put.success
+    assert "does not exist" in (put.error or "")
+    assert events_of(store) == [("removed", {1, 2})]  # nothing stored, everything gone
+    assert store.keys() == []
+    assert not fs.exists(bucket)  # never created for you
+    store.close()
