@@ -277,9 +277,9 @@ class Residency:
         tier deletes their blocks.
         """
         readable, pending = self._readable, self._pending
-        stored: list[OffloadKey] = []
         removed: list[OffloadKey] = []
         strays: list[OffloadKey] = []
+        rewritten: list[OffloadKey] = []
         snapshot = reservation.verify
         if snapshot is not None:
             same = self._unpin(snapshot)
@@ -290,24 +290,29 @@ class Residency:
                     self._forget(key)
                     removed.append(key)
                     if key in written:
-                        stored.append(key)
+                        rewritten.append(key)
                 elif key in written and key not in readable and key not in pending:
                     strays.append(key)
-        failed: list[OffloadKey] = []
-        for key in reservation.owned:
-            if pending.get(key) is reservation:
-                del pending[key]
-                (stored if key in written else failed).append(key)
-        if failed:
-            self._policy.remove(failed)
+        # the job's own keys (all of them, unless a bug or a racing abort took some)
+        mine = [k for k in reservation.owned if pending.get(k) is reservation]
+        for key in mine:
+            del pending[key]
+        if len(written) >= len(mine) and all(k in written for k in mine):
+            stored = mine  # the common case: everything written
+        else:
+            stored = [k for k in mine if k in written]
+            self._policy.remove([k for k in mine if k not in written])
         if removed:
             self._events.append(Removed(tuple(removed), self.identity))
+        if rewritten:
+            self._policy.insert(rewritten)
+            stored = stored + rewritten
         if stored:
-            rewritten = [k for k in stored if k in removed]
-            if rewritten:
-                self._policy.insert(rewritten)
+            serial = self._next_serial
             for key in stored:
-                readable[key] = self._serial()
+                serial += 1
+                readable[key] = serial
+            self._next_serial = serial
             self._policy.mark_evictable(stored)
             self._events.append(Stored(tuple(stored), self.identity, reservation.ctx))
         return strays
