@@ -1,10 +1,18 @@
 """``TierStore``: a secondary tier's storage medium (files, an object store, memory, ...).
 
-Every call comes from the tiering manager on the scheduler thread and must not block on IO,
-except ``drain`` and ``close``. Jobs are submitted, then reported exactly once through
-``poll``. The tier owns the events of the storage it owns (``take_events``): it announces
-``Stored(keys, identity, job.ctx)`` when a put made keys readable, ``Removed`` when keys stop
-being readable (eviction, delete, corruption), and nothing for failures.
+Every call comes from the tiering manager (or a third party driving the port) on one thread
+and must not block on IO, except ``drain`` and ``close``. Jobs are submitted, then reported
+exactly once through ``poll``, in whatever order they finish. The tier owns the events of the
+storage it owns (``take_events``): it announces ``Stored(keys, identity, job.ctx)`` when a put
+made keys readable, ``Removed`` when keys stop being readable (eviction, delete, corruption,
+loss), and nothing for failures; replaying its events (Stored adds, Removed removes) gives
+exactly the keys it holds.
+
+Any number of jobs may name the same key at once, and the events must stay true in every
+order they finish: a put of a key another put is writing leaves it to that one; a get or probe
+that found a key missing never undoes a later put of it. kvhex's own tiers get this from the
+domain's :class:`~kvhex.domain.residency.Residency`, and ``kvhex.testing``'s contract kit
+checks it for any tier.
 """
 
 from __future__ import annotations
@@ -57,7 +65,9 @@ class TierStore(EventSource, Protocol):
         ...
 
     def delete(self, keys: Sequence[OffloadKey]) -> None:
-        """Remove ``keys`` (absent keys are ignored) and announce the removal of those present."""
+        """Remove ``keys`` (absent and repeated keys are ignored) and announce the removal of
+        those present, once each. From this call on no get serves them, and the room they
+        held is available to the next put. Never blocks on IO (the blocks may go later)."""
         ...
 
     def drain(self) -> None:
