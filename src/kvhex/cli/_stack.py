@@ -5,13 +5,14 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from types import TracebackType
+from typing import Any
 
 import structlog
 import torch
 
 from kvhex.adapters.torch import TorchBlockTransfer, TorchHostBuffer
 from kvhex.bootstrap import build_engine
-from kvhex.config.model import KvhexConfig
+from kvhex.config.model import KvhexConfig, RunConfig
 from kvhex.domain.geometry import KvGeometry, KvGroup
 from kvhex.domain.slot_layout import SlotLayout
 from kvhex.errors import ConfigError
@@ -19,9 +20,44 @@ from kvhex.plugins import Registry
 from kvhex.sim.driver import Replay, RunReport, run_all
 from kvhex.sim.workload import Request, read_workload, synthetic_chat
 
-__all__ = ["Stack"]
+__all__ = ["RUN_HASH_SCHEME", "RUN_HOST_LAYOUT", "Stack", "run_namespace"]
 
 log = structlog.get_logger(__name__)
+
+RUN_HASH_SCHEME = "kvhex-sim-1"
+"""What goes into the block hashes of ``kvhex run``'s requests (``sim.workload.context``):
+SHA-256 chained from a zero root (no seed) over each hash block's token ids (32-bit
+little-endian) and the ``repr`` of its extra keys (LoRA name, cache salt on the first block,
+multimodal inputs). Bump it when that changes: the old blocks are then never met."""
+
+RUN_HOST_LAYOUT = "kvhex-slot-1"
+"""How ``kvhex run`` lays a chunk into a host slot (``SlotLayout``, torch transfer): one region
+per layer in layer order, each the chunk's ``blocks_per_chunk`` pages back to back."""
+
+
+def run_namespace(run: RunConfig) -> dict[str, Any]:
+    """What makes ``kvhex run``'s stored blocks interchangeable (kvhex tiers share blocks only
+    between equal namespaces), under the vLLM adapter's names where the concept is shared
+    (``kvhex.adapters.vllm.spec.namespace_of``). A block's key is its tokens hashed
+    ``tokens_per_block`` at a time; its bytes come from ``seed`` (each layer's base page), its
+    layer, its place in the chunk and the page size (``sim.driver``). The request count,
+    device blocks and device change neither."""
+    layers = [f"layer.{i}" for i in range(run.layers)]
+    return {
+        "engine": "kvhex-run",
+        "hash_scheme": RUN_HASH_SCHEME,
+        "hash_algo": "sha256",
+        "model": "kvhex-run-synthetic",
+        "seed": run.seed,
+        "kv_cache_dtype": "uint8",
+        "tokens_per_hash": run.tokens_per_block,
+        "blocks_per_chunk": run.blocks_per_chunk,
+        "groups": [[0, run.tokens_per_block, layers, "full_attention", None]],
+        "page_bytes": run.page_bytes,
+        "world_size": 1,
+        "host_layout": RUN_HOST_LAYOUT,
+        "kv_bytes_per_chunk": run.layers * run.page_bytes * run.blocks_per_chunk,
+    }
 
 
 class Stack:
@@ -56,14 +92,7 @@ class Stack:
                 ],
                 source,
             )
-        namespace = {
-            "model": "kvhex-run-synthetic",
-            "layers": run.layers,
-            "page_bytes": run.page_bytes,
-            "tokens_per_block": run.tokens_per_block,
-            "blocks_per_chunk": run.blocks_per_chunk,
-            "dtype": "uint8",
-        }
+        namespace = run_namespace(run)
         self._closers: list[Callable[[], None]] = []
         try:
             self.host = TorchHostBuffer(slots, layout.slot_bytes)

@@ -21,6 +21,12 @@ what differs and in which version:
   replaced by one that records nothing (0.33 passes it the group specs, 0.32 takes none).
 * ``OffloadingWorker.submit_load``: 0.33 passes ``expedited=``, 0.32 does not (kvhex's CPU
   worker takes it and waits for every load anyway).
+* ``HASH_SCHEME`` and ``hash_lookahead_tokens(vllm_config)``: what goes into a block hash is the
+  same in both for offloaded blocks (0.33's lookahead hashes are off under any KV connector;
+  0.32 has none), so both name scheme 1.
+* ``HOST_LAYOUT``: how a chunk's bytes sit in a host slot, the same in both.
+* ``connector_configs(config)``: both build the spec and its tiers inside the connector's
+  constructors, where vLLM's ``VllmConfig`` and ``KVCacheConfig`` are found.
 """
 
 from __future__ import annotations
@@ -28,22 +34,29 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import importlib.metadata
+import sys
 from typing import Any, Final
 
 import vllm
+from vllm.config import VllmConfig
 from vllm.distributed import kv_events as vev
+from vllm.v1.kv_cache_interface import KVCacheConfig
 from vllm.v1.kv_offload import base as vbase
 
 from kvhex.domain import events as domain_events
 from kvhex.domain.geometry import CacheKind
 
 __all__ = [
+    "HASH_SCHEME",
+    "HOST_LAYOUT",
     "RESET_FLUSH_STEPS",
     "SIGNALS_RESET_FLUSHED",
     "SUPPORTED",
     "VLLM_VERSION",
     "block_stored",
+    "connector_configs",
     "group_kind",
+    "hash_lookahead_tokens",
     "installed_version",
     "manager_lock",
     "quiet_events_tracker",
@@ -147,3 +160,70 @@ def quiet_events_tracker(scheduler: Any) -> None:
         scheduler._events_tracker = OffloadingEventsTracker(config)
     else:
         scheduler._events_tracker = OffloadingEventsTracker(config, dict(old._group_specs))
+
+
+_HASH_SCHEMES: Final = {(0, 32): 1, (0, 33): 1}
+HASH_SCHEME: Final = f"vllm-{_HASH_SCHEMES[VLLM_VERSION]}"
+"""kvhex's name for what the installed vLLM puts into a block hash; part of every namespace.
+
+Scheme 1 (``vllm.v1.core.kv_cache_utils``, read in 0.32.0 and 0.33.0):
+``hash_fn((parent hash or NONE_HASH, token ids, extra keys))`` over ``tokens_per_hash``
+tokens, the extra keys tagged ``("lora", name, path)`` (the path since vLLM #59335, already in
+0.32.0), ``("mm", identifier, offset in the block)``, ``("cache_salt", salt)`` on the first
+block and ``("prompt_embeds", SHA-256 of the block's embeddings)``. vLLM 0.33's lookahead
+hashes (EAGLE block drop) also cover the tokens after a block, but ``VllmConfig`` turns them
+off under any KV connector (``hash_lookahead_tokens`` records that they are). Bump the number
+for a vLLM release that changes any of this: its blocks then never meet older ones."""
+
+HOST_LAYOUT: Final = "vllm-region-1"
+"""How a chunk's bytes sit in a host slot of vLLM's shared offload region, the payload of every
+kvhex block: each worker's page of the chunk in rank order (one page under the replicated
+layout), each page the worker's blocks of the chunk in its KV-cache layout (``direct``) or
+vLLM's canonical format, padded to the page-aligned chunk size. The same in 0.32 and 0.33
+(``cpu/spec.py``, ``cpu/shared_offload_region.py``); kvhex's CPU worker writes it too."""
+
+
+def hash_lookahead_tokens(vllm_config: VllmConfig) -> int:
+    """Tokens after each block that its hash also covers: vLLM 0.33's
+    ``VllmConfig.num_hash_lookahead_tokens`` (0 under a KV connector); 0 on 0.32, which has
+    no lookahead hashes."""
+    if _V032:
+        return 0
+    return int(vllm_config.num_hash_lookahead_tokens)
+
+
+_CALLER_FRAMES: Final = 32
+"""How far up the stack ``connector_configs`` looks (the connector is 3-6 frames up)."""
+
+
+def connector_configs(config: Any) -> tuple[VllmConfig, KVCacheConfig] | None:
+    """The ``VllmConfig`` and ``KVCacheConfig`` of the offloading connector under construction
+    that built ``config`` (vLLM's ``OffloadingConfig``), or None when none is on the stack.
+
+    vLLM hands a spec and its secondary tiers only the ``OffloadingConfig``, which lacks much
+    of what makes blocks compatible (hash algorithm, model revision, quantization, HF config,
+    each group's cache spec). Both versions build the spec, its manager and its tiers inside
+    ``OffloadingConnector.__init__`` and ``OffloadingConnectorScheduler.__init__``, whose
+    ``vllm_config`` and ``kv_cache_config`` arguments hold them; the caller frames are searched
+    for that pair, taken only when its connector extra config is the very object ``config``
+    carries (so never another engine's). Called on the scheduler thread at start-up only.
+    """
+    extra = getattr(config, "extra_config", None)
+    frame = sys._getframe(1)
+    for _ in range(_CALLER_FRAMES):
+        code = frame.f_code
+        if "vllm_config" in code.co_varnames and "kv_cache_config" in code.co_varnames:
+            local = frame.f_locals
+            vllm_config = local.get("vllm_config")
+            kv_cache_config = local.get("kv_cache_config")
+            if (
+                isinstance(vllm_config, VllmConfig)
+                and isinstance(kv_cache_config, KVCacheConfig)
+                and vllm_config.kv_transfer_config is not None
+                and vllm_config.kv_transfer_config.kv_connector_extra_config is extra
+            ):
+                return vllm_config, kv_cache_config
+        if frame.f_back is None:
+            break
+        frame = frame.f_back
+    return None

@@ -19,9 +19,25 @@ same region and in the same layout (``kvhex.adapters.vllm.worker``).
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+import hashlib
+import json
+import secrets
 from typing import Any
 
 import structlog
+from vllm.config import VllmConfig
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.canonical_mapping import (
+    canonical_format_id,
+)
+from vllm.utils.hashing import get_hash_fn_by_name
+from vllm.v1.core.kv_cache_utils import resolve_none_hash_seed
+from vllm.v1.kv_cache_interface import (
+    KVCacheConfig,
+    get_kv_cache_spec_kind,
+    get_kv_cache_spec_sliding_window,
+)
 from vllm.v1.kv_offload.base import (
     CanonicalKVCaches,
     OffloadingManager,
@@ -33,7 +49,13 @@ from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
 from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
 from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
 
-from kvhex.adapters.vllm.compat import group_kind
+from kvhex.adapters.vllm.compat import (
+    HASH_SCHEME,
+    HOST_LAYOUT,
+    connector_configs,
+    group_kind,
+    hash_lookahead_tokens,
+)
 from kvhex.adapters.vllm.compose import RegionHostBuffer, build_engine
 from kvhex.adapters.vllm.manager import KvhexOffloadingManager
 from kvhex.adapters.vllm.settings import SOURCE, VllmSettings, parse_settings
@@ -41,7 +63,7 @@ from kvhex.domain.geometry import KvGeometry, KvGroup
 from kvhex.errors import ConfigError
 from kvhex.plugins import Registry
 
-__all__ = ["KvhexOffloadingSpec", "geometry_of", "namespace_of"]
+__all__ = ["RANDOM_HASH_ROOT", "KvhexOffloadingSpec", "geometry_of", "namespace_of"]
 
 log = structlog.get_logger(__name__)
 
@@ -69,23 +91,157 @@ def geometry_of(config: OffloadingConfig) -> KvGeometry | None:
         return None
 
 
-def namespace_of(config: OffloadingConfig, kv_bytes_per_chunk: int) -> dict[str, Any]:
-    """What makes stored blocks interchangeable between engines (kvhex tiers share a root
-    only between equal namespaces), in the spirit of vLLM's file-mapper run config."""
+def namespace_of(
+    config: OffloadingConfig,
+    kv_bytes_per_chunk: int,
+    engine: tuple[VllmConfig, KVCacheConfig] | None = None,
+) -> dict[str, Any]:
+    """What makes stored blocks interchangeable between engines: kvhex tiers share blocks
+    only between equal namespaces (``ROOT/<namespace digest>/``), so everything that changes a
+    block's bytes or its key is in it (docs/tiers.md gives each field's reason). Something
+    left out would let one engine serve another's KV as a hit, silently (vLLM #55191).
+
+    ``engine``: this engine's ``VllmConfig`` and ``KVCacheConfig``; by default those of the
+    vLLM connector building ``config`` (``compat.connector_configs``). Without them (a spec
+    built outside vLLM's connector) the hash scheme, model revision, quantization, HF config
+    and cache specs are unknown, and the namespace is this process's own: never shared.
+    """
     p = config.parallel
-    return {
+    namespace: dict[str, Any] = {
         "engine": "vllm",
+        "hash_scheme": HASH_SCHEME,
         "model": config.model.name,
-        "dtype": config.model.dtype,
+        "kv_cache_dtype": config.model.dtype,
         "tokens_per_hash": config.cache.tokens_per_hash,
         "blocks_per_chunk": config.cache.blocks_per_chunk,
-        "groups": [[g.tokens_per_block, list(g.layer_names)] for g in config.groups],
         "world_size": p.world_size,
         "tp_pp_pcp_dcp": [p.tp_size, p.pp_size, p.pcp_size, p.dcp_size],
         "replicated_layout": config.replicated_layout,
         "canonical_layout": config.canonical_layout,
+        "canonical_format": (
+            canonical_format_id(config.kv_cache_layout)
+            if config.canonical_layout and config.kv_cache_layout
+            else None
+        ),
+        "kv_cache_layout": config.kv_cache_layout,
+        "host_layout": HOST_LAYOUT,
         "kv_bytes_per_chunk": kv_bytes_per_chunk,
     }
+    found = engine or connector_configs(config)
+    if found is None:
+        log.warning(
+            "namespace_unshared",
+            why="no vLLM connector is building this spec: its blocks are this process's own",
+        )
+        namespace["groups"] = _groups(config, None)
+        namespace["unshared"] = _process_token()
+        return namespace
+    vllm_config, kv_cache_config = found
+    namespace["groups"] = _groups(config, kv_cache_config)
+    namespace |= _engine_fields(vllm_config)
+    return namespace
+
+
+RANDOM_HASH_ROOT = "random-per-process"
+"""``hash_root`` of an engine whose vLLM draws its hash seed per process."""
+
+
+def _engine_fields(vllm_config: VllmConfig) -> dict[str, Any]:
+    """The namespace fields only ``VllmConfig`` holds: how keys are hashed, which weights and
+    numerics computed the KV, how tokens are spread over context-parallel ranks."""
+    model = vllm_config.model_config
+    cache = vllm_config.cache_config
+    algo = cache.prefix_caching_hash_algo
+    draft = vllm_config.speculative_config
+    return {
+        "hash_algo": algo,
+        "hash_root": _hash_root(algo),
+        "hash_lookahead_tokens": hash_lookahead_tokens(vllm_config),
+        "model_weights": model.model_weights or None,
+        "revision": model.revision,
+        "code_revision": model.code_revision,
+        "hf_config": _digest(_without_volatile(model.hf_config.to_dict())),
+        "model_dtype": str(model.dtype).removeprefix("torch."),
+        "quantization": model.quantization,
+        "quantization_config": (
+            None if model.quantization_config is None else _digest(model.quantization_config)
+        ),
+        "disable_sliding_window": model.disable_sliding_window,
+        "kv_cache_dtype_skip_layers": sorted(map(str, cache.kv_cache_dtype_skip_layers)),
+        "mamba_cache_dtypes": [str(cache.mamba_cache_dtype), str(cache.mamba_ssm_cache_dtype)],
+        "cp_interleave": vllm_config.parallel_config.cp_kv_cache_interleave_size,
+        # a drafter with KV layers (EAGLE, MTP, a draft model); n-gram drafting has none
+        "draft_model": (
+            [draft.method, draft.model, draft.revision, draft.quantization]
+            if draft is not None and draft.uses_draft_kv_cache()
+            else None
+        ),
+    }
+
+
+def _groups(config: OffloadingConfig, kv_cache_config: KVCacheConfig | None) -> list[Any]:
+    """Each offloaded KV group: its index (the key's suffix), tokens per block, layers, and
+    its cache spec's kind and window as vLLM's events name them (None when unknown)."""
+    out = []
+    for group in config.groups:
+        kind = window = None
+        if kv_cache_config is not None:
+            spec = kv_cache_config.kv_cache_groups[group.group_id].kv_cache_spec
+            kind = get_kv_cache_spec_kind(spec).value
+            window = get_kv_cache_spec_sliding_window(spec)
+        out.append([group.group_id, group.tokens_per_block, list(group.layer_names), kind, window])
+    return out
+
+
+def _hash_root(algo: str) -> str:
+    """A digest of the ``NONE_HASH`` every block-hash chain of this engine starts from (the
+    algorithm applied to vLLM's seed: ``PYTHONHASHSEED`` when set, else a fixed default for
+    SHA-256, else random per process), resolved as vLLM will resolve it: the spec is built
+    before vLLM initializes it. A per-process seed gives ``RANDOM_HASH_ROOT``: one namespace
+    for all such runs, whose blocks no other process can hit (their keys differ), so they only
+    age out of the tier's capacity. The seed is never recorded, only a digest of the root."""
+    hash_fn = get_hash_fn_by_name(algo)
+    seed = resolve_none_hash_seed(hash_fn)
+    if seed != resolve_none_hash_seed(hash_fn):
+        log.warning(
+            "block_hashes_random_per_process",
+            hash_algo=algo,
+            why="no other process or restart can hit this engine's blocks; set "
+            "PYTHONHASHSEED (the same in every engine) or use sha256",
+        )
+        return RANDOM_HASH_ROOT
+    return _digest(hash_fn(seed).hex())
+
+
+_VOLATILE_HF_KEYS = frozenset({"transformers_version", "_name_or_path", "_commit_hash"})
+"""HF config keys that say how or where a config was saved, not what the model computes."""
+
+
+def _without_volatile(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _without_volatile(v) for k, v in value.items() if k not in _VOLATILE_HF_KEYS}
+    if isinstance(value, list | tuple):
+        return [_without_volatile(v) for v in value]
+    return value
+
+
+def _digest(value: Any) -> str:
+    """16 hex digits of SHA-256 over canonical JSON: the same in every process."""
+    text = json.dumps(value, sort_keys=True, default=_plain)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, set | frozenset):
+        return sorted(map(str, value))  # never in hash order, which differs per process
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return dataclasses.asdict(value)
+    return str(value)
+
+
+@functools.cache
+def _process_token() -> str:
+    return secrets.token_hex(8)
 
 
 class KvhexOffloadingSpec(TieringOffloadingSpec):
