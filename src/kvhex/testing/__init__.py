@@ -3,18 +3,63 @@
 Subclass a contract in your own test module and implement its factory method; pytest then
 runs every check of the contract against your plugin::
 
-    from kvhex.testing import EvictionPolicyContract
+    from kvhex.testing import CrashContract, EvictionPolicyContract, TierStoreContract
 
     class TestMyPolicy(EvictionPolicyContract):
         def make_policy(self, capacity):
             return MyPolicy(capacity)
 
-Two contracts ship: ``EvictionPolicyContract`` (``make_policy(capacity)``) and
-``TierStoreContract`` (``make_store(host)``). Run them with pytest
-(``pip install 'kvhex[testing]'``).
+    class TestMyTier(TierStoreContract, CrashContract):  # CrashContract: persistent tiers
+        @pytest.fixture(autouse=True)
+        def _root(self, tmp_path):
+            self.root = tmp_path  # one storage per check, the same on every call in it
+
+        def make_store(self, host):
+            return MyTierStore(host, str(self.root), capacity_bytes=1 << 24)
+
+        def make_sized_store(self, host, capacity_blocks):  # optional
+            return MyTierStore(host, str(self.root), capacity_bytes=capacity_blocks * ...)
+
+        def check_recovered(self, store):  # optional, CrashContract
+            assert my_fsck(self.root).clean
+
+Three contracts ship, all run with pytest (``pip install 'kvhex[testing]'``):
+
+* ``EvictionPolicyContract``: ``make_policy(capacity)``.
+* ``TierStoreContract``: ``make_store(host)``. The basic port checks, deletes naming a key
+  twice, and the order checks of ``OrderContract`` (two jobs, or a job and a delete, on one
+  key in every order the port allows; the racy shapes repeated ``race_trials`` times). The
+  checks that need the tier's capacity (a put right after a delete at full capacity; no slot
+  leaked after the order checks) use ``make_sized_store(host, capacity_blocks)`` when the
+  class implements it, else ``make_store`` with the class attribute ``capacity_blocks`` (how
+  many blocks of ``slot_bytes`` it holds), else they skip saying so.
+* ``CrashContract`` (opt-in, for tiers whose blocks outlive the process): writer processes
+  killed with ``SIGKILL`` ``crash_cycles`` times, then the tier reopened and audited;
+  ``check_recovered(store)`` is the hook for a storage check. The writers are started with
+  the "spawn" context and get the test instance by pickle: the class must be a module-level
+  class of a test module pytest imports by name (its default import mode), and what the
+  factory needs must be plain attributes (paths, URLs). ``shared_storage = True`` for tiers
+  several instances may open at once.
+
+Payloads are ``block_payload(key, nbytes)`` of keys ``tier_key(i)``, so any byte served can
+be verified. Class attributes size everything (``slot_bytes``, ``race_bulk_blocks``,
+``race_slot_bytes``, ``race_wide_slot_bytes``, ``crash_keys``, ``crash_run_s``, ...): a slow
+tier may lower them.
 """
 
 from kvhex.testing.policy_contract import EvictionPolicyContract, policy_key
+from kvhex.testing.tier_crash import CrashContract
+from kvhex.testing.tier_kit import TierKit, block_payload, tier_key
+from kvhex.testing.tier_order import OrderContract
 from kvhex.testing.tier_store_contract import TierStoreContract
 
-__all__ = ["EvictionPolicyContract", "TierStoreContract", "policy_key"]
+__all__ = [
+    "CrashContract",
+    "EvictionPolicyContract",
+    "OrderContract",
+    "TierKit",
+    "TierStoreContract",
+    "block_payload",
+    "policy_key",
+    "tier_key",
+]

@@ -1,0 +1,139 @@
+"""kvhex's storage tiers against the whole shipped kit: the TierStore contract with its order
+checks, and the crash contract (writer processes killed with SIGKILL, then the tier reopened;
+``kvhex fsck`` must find local roots clean after every recovery).
+
+The file and NIXL POSIX tiers run on a fresh directory per check, the S3 and NIXL OBJ tiers
+on a fresh bucket of the loopback S3 server (tests/adapters/conftest.py). Object stores are
+slower per request: their classes run fewer and smaller racy trials and crash cycles.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from kvhex.adapters.storage.files.fsck import check_root
+from kvhex.adapters.storage.format import HEADER_AREA
+from kvhex.adapters.storage.fsspec import FsspecTierStore
+from kvhex.ports.host_buffer import HostBuffer
+from kvhex.ports.tier_store import TierStore
+from kvhex.testing import CrashContract, TierStoreContract
+from tests.adapters.conftest import CREDENTIALS, s3_options
+
+NS = {"model": "tiny-llama", "blocks_per_chunk": 1, "dtype": "float16"}
+
+
+def blocks_bytes(host: HostBuffer, blocks: int) -> int:
+    """The capacity in bytes of ``blocks`` blocks of ``host``'s slots on these tiers."""
+    return blocks * (HEADER_AREA + host.slot_bytes)
+
+
+def fsck_clean(root: Path) -> None:
+    report = check_root(root)
+    problems = [p for ns in report.namespaces for p in ns.problems] + [
+        f"block {f.key[:64].lstrip('0') or '0'}: {f.finding.value}, {f.reason}"
+        for ns in report.namespaces
+        for f in ns.findings
+    ]
+    if not report.clean:
+        raise AssertionError("kvhex fsck after recovery:\n    " + "\n    ".join(problems))
+
+
+class _Local:
+    """A fresh directory per check; fsck must find it clean after each recovery."""
+
+    root: Path
+
+    @pytest.fixture(autouse=True)
+    def _root(self, tmp_path: Path) -> None:
+        self.root = tmp_path
+
+    def check_recovered(self, store: TierStore) -> None:
+        fsck_clean(self.root)
+
+
+class _Bucket:
+    """A fresh bucket of the loopback S3 server per check."""
+
+    endpoint: str
+    bucket: str
+
+    @pytest.fixture(autouse=True)
+    def _bucket(self, s3_server: str, bucket: str) -> None:
+        self.endpoint, self.bucket = s3_server, bucket
+
+
+class _Slow:
+    """Object stores answer in milliseconds, not microseconds: fewer, smaller trials."""
+
+    race_trials = 4
+    race_bulk_blocks = 32
+    race_slot_bytes = 1 << 14
+    race_wide_slot_bytes = 1 << 18
+    capacity_rounds = 10
+    crash_cycles = 3
+    crash_slot_bytes = 1 << 14
+
+
+class TestFileTier(_Local, TierStoreContract, CrashContract):
+    shared_storage = True
+    crash_cycles = 10
+
+    def make_store(self, host: HostBuffer) -> TierStore:
+        return FsspecTierStore(host, str(self.root), capacity_bytes=1 << 24, namespace=NS)
+
+    def make_sized_store(self, host: HostBuffer, capacity_blocks: int) -> TierStore:
+        capacity = blocks_bytes(host, capacity_blocks)
+        return FsspecTierStore(host, str(self.root), capacity_bytes=capacity, namespace=NS)
+
+
+class TestS3Tier(_Slow, _Bucket, TierStoreContract, CrashContract):
+    shared_storage = True
+
+    def make_store(self, host: HostBuffer) -> TierStore:
+        return self.make_sized_store(host, 256)
+
+    def make_sized_store(self, host: HostBuffer, capacity_blocks: int) -> TierStore:
+        return FsspecTierStore(
+            host,
+            f"s3://{self.bucket}/kv",
+            capacity_bytes=blocks_bytes(host, capacity_blocks),
+            name="s3",
+            namespace=NS,
+            storage_options=s3_options(self.endpoint),
+        )
+
+
+class TestNixlPosixTier(_Local, TierStoreContract, CrashContract):
+    shared_storage = True
+
+    def make_store(self, host: HostBuffer) -> TierStore:
+        return self.make_sized_store(host, 1024)
+
+    def make_sized_store(self, host: HostBuffer, capacity_blocks: int) -> TierStore:
+        from kvhex.adapters.storage.nixl import NixlTierStore
+
+        capacity = blocks_bytes(host, capacity_blocks)
+        return NixlTierStore(host, str(self.root), capacity_bytes=capacity, namespace=NS)
+
+
+class TestNixlObjTier(_Slow, _Bucket, TierStoreContract, CrashContract):
+    shared_storage = True
+
+    def make_store(self, host: HostBuffer) -> TierStore:
+        return self.make_sized_store(host, 256)
+
+    def make_sized_store(self, host: HostBuffer, capacity_blocks: int) -> TierStore:
+        from kvhex.adapters.storage.nixl import NixlTierStore
+
+        return NixlTierStore(
+            host,
+            f"s3://{self.bucket}/kv",
+            capacity_bytes=blocks_bytes(host, capacity_blocks),
+            namespace=NS,
+            endpoint_url=self.endpoint,
+            access_key=CREDENTIALS["key"],
+            secret_key=CREDENTIALS["secret"],
+            locality=None,
+        )
