@@ -1,4 +1,5 @@
-"""The SQLite tier against kvhex's shipped TierStore contract, then what is its own:
+"""The SQLite tier against kvhex's shipped contract kit (every order of jobs on one key,
+deletes, capacity, and writers killed with SIGKILL then reopened), then what is its own:
 corruption, restart, capacity, and the file it keeps."""
 
 from __future__ import annotations
@@ -14,14 +15,15 @@ from kvhex.domain import JobId, JobKind, JobResult, Removed, ReqContext, Stored,
 from kvhex.domain.keys import OffloadKey, make_offload_key
 from kvhex.errors import TierUnavailable
 from kvhex.ports import HostBuffer, TierStore
-from kvhex.testing import TierStoreContract
+from kvhex.testing import CrashContract, TierStoreContract
 from kvhex_sqlite_tier import SqliteTierStore
 
 SLOT = 4096
 
 
-class TestSqliteTierContract(TierStoreContract):
-    """Every check of the contract, each on a fresh database file."""
+class TestSqliteTierContract(TierStoreContract, CrashContract):
+    """Every check of the kit, each on a fresh database file (one process holds the file at
+    a time, so the checks of two live instances on one storage do not apply)."""
 
     slot_bytes = SLOT
 
@@ -30,7 +32,12 @@ class TestSqliteTierContract(TierStoreContract):
         self.path = tmp_path / "kv.sqlite"
 
     def make_store(self, host: HostBuffer) -> TierStore:
-        return SqliteTierStore(host, str(self.path), capacity_bytes=1 << 20)
+        return self.make_sized_store(host, 1024)
+
+    def make_sized_store(self, host: HostBuffer, capacity_blocks: int) -> TierStore:
+        return SqliteTierStore(
+            host, str(self.path), capacity_bytes=capacity_blocks * host.slot_bytes
+        )
 
 
 def key(i: int) -> OffloadKey:

@@ -120,12 +120,12 @@ class _Agent:
         )
         try:
             state = agent.transfer(handle)
-            waits = 0
+            nap = 0.00001
             while state in ("PROC", "INIT"):
                 # naps from 10 us doubling up to 0.2 ms: a short job is seen done soon after
                 # its last byte, a long one costs few checks, and no core is spun
-                time.sleep(min(0.0002, 0.00001 * 2**waits))
-                waits += 1
+                time.sleep(nap)
+                nap = min(0.0002, nap * 2)
                 state = agent.check_xfer_state(handle)
             return bool(state == "DONE")
         finally:
@@ -345,6 +345,7 @@ class NixlObjectMover:
         out: list[bytes | None],
     ) -> bool:
         staged = nixl.stage(len(batch) * HEADER_AREA)
+        staged[: len(batch) * HEADER_AREA] = bytes(len(batch) * HEADER_AREA)  # no stale header
         local: list[tuple[int, int, int]] = []
         remote: list[tuple[int, int, int]] = []
         names: list[tuple[int, str]] = []

@@ -1,4 +1,5 @@
-"""The fsspec tier on real local files: the TierStore contract, layout and permissions,
+"""The fsspec tier on real local files (the shipped contract kit runs on it in tests/contracts):
+layout and permissions,
 integrity, capacity, restart, crash leftovers, sharing, and bad roots."""
 
 from __future__ import annotations
@@ -18,24 +19,10 @@ from kvhex.adapters.storage.format import HEADER_AREA, namespace_digest
 from kvhex.adapters.storage.fsspec import FsspecTierStore
 from kvhex.domain import JobKind, Removed, Stored
 from kvhex.errors import TierUnavailable
-from kvhex.ports.host_buffer import HostBuffer
-from kvhex.ports.tier_store import TierStore
-from kvhex.testing import TierStoreContract
 from tests.adapters.jobs import key, run
 
 SLOT = 4096
 NS = {"model": "tiny-llama", "blocks_per_chunk": 1, "dtype": "float16"}
-
-
-class TestLocalFilesContract(TierStoreContract):
-    slot_bytes = SLOT
-
-    @pytest.fixture(autouse=True)
-    def _root(self, tmp_path: Path) -> None:
-        self.root = tmp_path
-
-    def make_store(self, host: HostBuffer) -> TierStore:
-        return FsspecTierStore(host, str(self.root), capacity_bytes=1 << 24, namespace=NS)
 
 
 def fill(host: MemoryHostBuffer, slots: range, seed: int) -> None:

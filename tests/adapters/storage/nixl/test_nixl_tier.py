@@ -1,56 +1,20 @@
 """The NIXL tier for real, CPU-only: the POSIX backend on local files and the OBJ backend on
-the loopback S3 server, each through the TierStore contract, plus integrity and restart."""
+the loopback S3 server, integrity and restart (the shipped contract kit runs on both in
+tests/contracts)."""
 
 from __future__ import annotations
 
 import time
 from pathlib import Path
 
-import pytest
-
 from kvhex.adapters.memory import MemoryHostBuffer
 from kvhex.adapters.storage.format import HEADER_AREA
 from kvhex.adapters.storage.nixl import NixlTierStore
 from kvhex.domain import JobId, JobKind, Removed, Stored, TierJob
-from kvhex.ports.host_buffer import HostBuffer
-from kvhex.ports.tier_store import TierStore
-from kvhex.testing import TierStoreContract
-from tests.adapters.conftest import CREDENTIALS
 from tests.adapters.jobs import key, run
 
 SLOT = 4096
 NS = {"model": "tiny-llama"}
-
-
-class TestNixlPosixContract(TierStoreContract):
-    slot_bytes = SLOT
-
-    @pytest.fixture(autouse=True)
-    def _root(self, tmp_path: Path) -> None:
-        self.root = tmp_path
-
-    def make_store(self, host: HostBuffer) -> TierStore:
-        return NixlTierStore(host, str(self.root), capacity_bytes=1 << 24, namespace=NS)
-
-
-class TestNixlObjContract(TierStoreContract):
-    slot_bytes = SLOT
-
-    @pytest.fixture(autouse=True)
-    def _bucket(self, s3_server: str, bucket: str) -> None:
-        self.endpoint, self.bucket = s3_server, bucket
-
-    def make_store(self, host: HostBuffer) -> TierStore:
-        return NixlTierStore(
-            host,
-            f"s3://{self.bucket}/kv",
-            capacity_bytes=1 << 24,
-            namespace=NS,
-            endpoint_url=self.endpoint,
-            access_key=CREDENTIALS["key"],
-            secret_key=CREDENTIALS["secret"],
-            locality=None,
-        )
 
 
 def test_posix_blocks_are_verified_and_survive_a_restart(tmp_path: Path) -> None:

@@ -1,5 +1,5 @@
 """The fsspec tier against a real S3-compatible server on loopback (no mocking of s3fs or
-boto): the TierStore contract, integrity, restart, sharing, and failures at start-up and run
+boto): integrity, restart, sharing, and failures at start-up and run
 time."""
 
 from __future__ import annotations
@@ -12,33 +12,11 @@ from kvhex.adapters.memory import MemoryHostBuffer
 from kvhex.adapters.storage.fsspec import FsspecTierStore
 from kvhex.domain import JobKind, Removed, Stored
 from kvhex.errors import TierUnavailable
-from kvhex.ports.host_buffer import HostBuffer
-from kvhex.ports.tier_store import TierStore
-from kvhex.testing import TierStoreContract
 from tests.adapters.conftest import CREDENTIALS, s3_options
 from tests.adapters.jobs import key, run
 
 SLOT = 2048
 NS = {"model": "tiny-llama", "dtype": "float16"}
-
-
-class TestS3Contract(TierStoreContract):
-    slot_bytes = SLOT
-
-    @pytest.fixture(autouse=True)
-    def _bucket(self, s3_server: str, bucket: str) -> None:
-        self.endpoint = s3_server
-        self.bucket = bucket
-
-    def make_store(self, host: HostBuffer) -> TierStore:
-        return FsspecTierStore(
-            host,
-            f"s3://{self.bucket}/kv",
-            capacity_bytes=1 << 24,
-            name="s3",
-            namespace=NS,
-            storage_options=s3_options(self.endpoint),
-        )
 
 
 def tier(host: MemoryHostBuffer, endpoint: str, bucket: str, **kw: Any) -> FsspecTierStore:
