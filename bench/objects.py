@@ -1,0 +1,476 @@
+"""Object-store throughput: kvhex's S3 tiers beside vLLM 0.33's own object tier, same server.
+
+For each chunk size (2 MiB and 256 KiB), ``--total-mib`` (512 MiB by default) go host ->
+store (put) and store -> host (get) through three tiers talking to one loopback S3 server
+(moto, in a process of its own, as S3 is; its speed, not S3's, bounds every side):
+
+* the baseline, vLLM's ``ObjectStoreSecondaryTierManager`` (tier type ``obj``: NIXL's OBJ
+  backend), built by vLLM's ``SecondaryTierFactory`` on a real host buffer of up to 256
+  rows of one chunk each, driven through its public methods (``submit_store`` / ``submit_load``,
+  ``get_finished_jobs``) as vLLM's tiering manager drives it;
+* kvhex's ``fsspec`` tier on ``s3://`` (s3fs under it) and kvhex's ``nixl`` tier on
+  ``s3://`` (NIXL's OBJ backend), built through kvhex's plugin registry, driven through
+  ``submit_put`` / ``submit_get`` / ``poll``.
+
+Every side gets the same chunks, ``--batch`` chunks per job, every job submitted at once (a
+get keeps at most one host buffer's worth of chunks in flight, as the managers' reservations
+guarantee), and is polled every millisecond. ``--io-threads`` (4 by default: vLLM's default
+for its tier) is passed to all three: vLLM's tier hands it to its one NIXL agent's OBJ
+backend as ``num_threads``; kvhex's tiers run that many IO threads (the nixl tier with one
+NIXL agent each). The report names each side's concurrency.
+
+    .venv-vllm/bin/python bench/objects.py [--total-mib 512] [--tiers s3,nixl] [--io-threads 4]
+    .venv-vllm/bin/python bench/objects.py --quick --json   # tiny sizes; rows as JSON
+
+vLLM is imported from ``.venv-vllm`` (``make vllm-test`` builds it). Where vLLM is not
+importable the script says so and measures kvhex's tiers alone (rows without a baseline).
+
+NIXL: vLLM's tier imports ``nixl._api``. The ``nixl`` meta package picks ``nixl_cu13`` on a
+CPU-only torch, whose OBJ plugin cannot load there, so before vLLM is imported this script
+points ``nixl`` and its submodules (``sys.modules``) at ``nixl_cu12``, the build kvhex's nixl
+tier imports directly: both sides then run the same NIXL library. A process that imported
+``nixl`` already keeps it.
+
+A plain script, never a timed test. One untimed round warms every side up (connections,
+NIXL agents, the server's buckets); then the sides alternate, put then get, in an order that
+rotates each pass; each figure is the median of ``--repeats`` passes and each ratio the median
+of the per-pass ratios (kvhex / vLLM), so all sides see the same machine. Keys are new in
+every pass (kvhex's tiers skip keys they hold; vLLM's tier would overwrite), and between
+passes, untimed, the bench deletes the pass's block objects with s3fs so that the server
+holds one pass at a time; kvhex's tiers get a capacity no pass evicts from.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import importlib
+import os
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+from _report import Report, parse
+from kvhex.adapters.memory import MemoryHostBuffer
+from kvhex.domain import JobId, JobKind, TierJob, make_offload_key
+from kvhex.plugins import TIERS, Registry
+
+MiB = 1 << 20
+QUICK = {"total_mib": 2, "repeats": 1, "batch": 4}
+"""Sizes of ``--quick`` (the smoke test's)."""
+POLL_S = 0.001
+"""How long every side's driver sleeps between two polls that found nothing finished."""
+MAX_SLOTS = 256
+"""Rows of the host buffer: a get keeps at most this many chunks in flight."""
+BUCKET = "bench"
+BASELINE = "vLLM 0.33 obj tier (NIXL OBJ), same server"
+ACCESS = {"key": "bench", "secret": "bench-secret"}
+NAMES = {"s3": "kvhex s3 (fsspec tier)", "nixl": "kvhex nixl (nixl tier, OBJ)"}
+WHERE_VLLM = (
+    "vllm: not importable here ({why}); the baseline, vLLM 0.33's obj tier, runs in "
+    ".venv-vllm (make vllm-test builds it): .venv-vllm/bin/python bench/objects.py. "
+    "Measuring kvhex's tiers alone (no ratios)."
+)
+
+SERVER = (
+    "import sys\n"
+    "from moto.server import ThreadedMotoServer\n"
+    "server = ThreadedMotoServer(ip_address='127.0.0.1', port=0, verbose=False)\n"
+    "server.start()\n"
+    "print(server.get_host_and_port()[1], flush=True)\n"
+    "sys.stdin.read()  # until the bench ends\n"
+)
+"""A loopback S3 server in a process of its own (as in tiers.py): in the bench's process it
+would share one GIL with the clients it serves."""
+
+
+def chunk_key(round_: int, i: int) -> bytes:
+    """The block hash of chunk ``i`` in pass ``round_``: new keys every pass."""
+    return hashlib.sha256(f"{round_}:{i}".encode()).digest()
+
+
+def waves(n: int, batch: int, slots: int, kind: str) -> list[list[list[int]]]:
+    """Chunk indices in jobs of ``batch``, grouped in waves submitted together: all of a put
+    at once (puts only read their slots), a get's at most ``slots`` chunks at a time (no two
+    running jobs fill the same slot)."""
+    jobs = [list(range(s, min(s + batch, n))) for s in range(0, n, batch)]
+    if kind == "put":
+        return [jobs]
+    out: list[list[list[int]]] = [[]]
+    in_wave = 0
+    for job in jobs:
+        if out[-1] and in_wave + len(job) > slots:
+            out.append([])
+            in_wave = 0
+        out[-1].append(job)
+        in_wave += len(job)
+    return out
+
+
+class KvhexRun:
+    """Puts then gets every chunk through one kvhex tier, ``batch`` chunks per job."""
+
+    def __init__(self, store: Any, host: MemoryHostBuffer, n: int, batch: int) -> None:
+        self.store, self.host, self.n, self.batch = store, host, n, batch
+        self.next_id = 0
+        self.round = 0
+
+    def _wait(self, n_jobs: int) -> None:
+        done = 0
+        while done < n_jobs:
+            results = self.store.poll()
+            for result in results:
+                if not result.success:
+                    raise RuntimeError(f"kvhex job {result.job_id} failed: {result.error}")
+            done += len(results)
+            if not results:
+                time.sleep(POLL_S)
+
+    def _jobs(self, kind: JobKind) -> None:
+        slots = self.host.num_slots
+        submit = self.store.submit_put if kind is JobKind.PUT else self.store.submit_get
+        for wave in waves(self.n, self.batch, slots, "put" if kind is JobKind.PUT else "get"):
+            for ids in wave:
+                keys = tuple(make_offload_key(chunk_key(self.round, i), 0) for i in ids)
+                submit(TierJob(JobId(self.next_id), kind, keys, tuple(i % slots for i in ids)))
+                self.next_id += 1
+            self._wait(len(wave))
+
+    def put(self) -> None:
+        self.round += 1
+        self._jobs(JobKind.PUT)
+        self.store.take_events()
+
+    def get(self) -> None:
+        self._jobs(JobKind.GET)
+
+
+class VllmRun:
+    """Stores then loads every chunk through vLLM's obj tier, ``batch`` chunks per job, as its
+    tiering manager does: submit, then ``get_finished_jobs`` until every job reported."""
+
+    def __init__(self, tier: Any, rows: int, n: int, batch: int) -> None:
+        import numpy as np
+        from vllm.v1.kv_offload.base import ReqContext
+        from vllm.v1.kv_offload.base import make_offload_key as vllm_key
+        from vllm.v1.kv_offload.tiering.base import TransferJob
+
+        self.np, self.key, self.job = np, vllm_key, TransferJob
+        self.ctx = ReqContext(req_id="bench")
+        self.tier, self.rows, self.n, self.batch = tier, rows, n, batch
+        self.next_id = 0
+        self.round = 0
+
+    def _wait(self, n_jobs: int) -> None:
+        done = 0
+        while done < n_jobs:
+            results = list(self.tier.get_finished_jobs())
+            for result in results:
+                if not result.success:
+                    raise RuntimeError(f"vLLM obj tier job {result.job_id} failed")
+            done += len(results)
+            if not results:
+                time.sleep(POLL_S)
+
+    def _jobs(self, kind: str) -> None:
+        np = self.np
+        submit = self.tier.submit_store if kind == "put" else self.tier.submit_load
+        for wave in waves(self.n, self.batch, self.rows, kind):
+            for ids in wave:
+                submit(
+                    self.job(
+                        job_id=self.next_id,
+                        keys=[self.key(chunk_key(self.round, i), 0) for i in ids],
+                        chunk_ids=np.array([i % self.rows for i in ids], dtype=np.int32),
+                        is_promotion=kind == "get",
+                        req_context=self.ctx,
+                    )
+                )
+                self.next_id += 1
+            self._wait(len(wave))
+
+    def put(self) -> None:
+        self.round += 1
+        self._jobs("put")
+
+    def get(self) -> None:
+        self._jobs("get")
+
+
+def alias_nixl_to_cu12() -> None:
+    """Point ``nixl`` (what vLLM imports) at ``nixl_cu12`` (see the module docstring)."""
+    if "nixl" in sys.modules:
+        return
+    package = importlib.import_module("nixl_cu12")
+    sys.modules["nixl"] = package
+    for sub in ("_bindings", "_utils", "logging", "_api"):
+        module = importlib.import_module(f"nixl_cu12.{sub}")
+        sys.modules[f"nixl.{sub}"] = module
+        setattr(package, sub, module)
+    # what vLLM sets before it imports NIXL itself (it warns when it finds NIXL imported)
+    os.environ.setdefault("UCX_RCACHE_MAX_UNRELEASED", "1024")
+
+
+def vllm_missing() -> str | None:
+    """Why vLLM's obj tier cannot be built here, or None (NIXL aliased first, see
+    :func:`alias_nixl_to_cu12`)."""
+    try:
+        alias_nixl_to_cu12()
+        importlib.import_module("vllm.v1.kv_offload.tiering.obj.manager")
+        importlib.import_module("vllm.v1.kv_offload.tiering.spec")
+    except ImportError as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
+def vllm_tier(chunk: int, rows: Any, endpoint: str, io_threads: int) -> Any:
+    """vLLM's obj tier over ``rows`` (a ``rows x chunk`` uint8 array), built as vLLM's
+    ``TieringOffloadingSpec`` builds its secondary tiers: by ``SecondaryTierFactory`` from a
+    tier config, with a one-group, one-worker offloading config whose block is one chunk."""
+    from vllm.v1.kv_offload.config import (
+        OffloadingCacheConfig,
+        OffloadingConfig,
+        OffloadingGroupConfig,
+        OffloadingModelConfig,
+        OffloadingParallelConfig,
+    )
+    from vllm.v1.kv_offload.tiering.factory import SecondaryTierFactory
+    from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
+
+    config = OffloadingConfig(
+        groups=(OffloadingGroupConfig(16, ("layer.0",), 0),),
+        worker_kv_bytes_per_block=chunk,
+        enable_kv_cache_events=False,
+        extra_config={"cpu_bytes_to_use": rows.nbytes},
+        engine_id="kvhex-bench",
+        model=OffloadingModelConfig(name="kvhex/bench", dtype="float16"),
+        cache=OffloadingCacheConfig(tokens_per_hash=16, blocks_per_chunk=1),
+        parallel=OffloadingParallelConfig(
+            rank=0,
+            world_size=1,
+            tp_size=1,
+            pp_size=1,
+            pcp_size=1,
+            dcp_size=1,
+            data_parallel_index=0,
+            data_parallel_size=1,
+            data_parallel_rank_local=None,
+            is_parallelism_agnostic=True,
+        ),
+    )
+    entry = {
+        "type": "obj",
+        "prefix": "vllm",
+        "io_threads": io_threads,
+        "store_config": {
+            "bucket": BUCKET,
+            "endpoint_override": endpoint,
+            "scheme": "http",
+            "region": "us-east-1",
+            "access_key": ACCESS["key"],
+            "secret_key": ACCESS["secret"],
+        },
+    }
+    spec = TieringOffloadingSpec(config)
+    return SecondaryTierFactory.create_secondary_tier(entry, memoryview(rows), spec)
+
+
+def kvhex_tier(
+    name: str, host: MemoryHostBuffer, endpoint: str, capacity: int, io_threads: int
+) -> Any:
+    """kvhex's ``fsspec`` (s3fs) or ``nixl`` (NIXL OBJ) tier, through the plugin registry."""
+    tier = Registry.discover([TIERS]).load(TIERS, "fsspec" if name == "s3" else "nixl")
+    url = f"s3://{BUCKET}/kvhex-{name}"
+    if name == "s3":
+        options = {
+            **ACCESS,
+            "endpoint_url": endpoint,
+            "use_listings_cache": False,
+            "skip_instance_cache": True,
+        }
+        return tier(
+            host,
+            url,
+            capacity_bytes=capacity,
+            name="s3",
+            io_threads=io_threads,
+            storage_options=options,
+        )
+    return tier(
+        host,
+        url,
+        capacity_bytes=capacity,
+        name="nixl",
+        io_threads=io_threads,
+        endpoint_url=endpoint,
+        access_key=ACCESS["key"],
+        secret_key=ACCESS["secret"],
+    )
+
+
+def timed(fn: Callable[[], None], nbytes: int) -> float:
+    """GB/s of one call, started with no dirty page cache left by the previous one (moto
+    spools large objects to temporary files)."""
+    os.sync()
+    t0 = time.perf_counter()
+    fn()
+    return nbytes / (time.perf_counter() - t0) / 1e9
+
+
+def one_size(
+    chunk: int, sides: list[str], args: argparse.Namespace, with_vllm: bool
+) -> dict[str, float]:
+    """Median GB/s of every side and direction, and the median per-pass ratios to vLLM."""
+    import s3fs
+
+    total, batch, repeats, threads = args.total_mib * MiB, args.batch, args.repeats, args.io_threads
+    n = max(1, total // chunk)
+    nbytes = n * chunk
+    rows = min(n, MAX_SLOTS)
+    os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")
+    server = subprocess.Popen(
+        [sys.executable, "-c", SERVER],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
+    assert server.stdout is not None
+    endpoint = f"http://127.0.0.1:{int(server.stdout.readline())}"
+    fs = s3fs.S3FileSystem(
+        **ACCESS, endpoint_url=endpoint, use_listings_cache=False, skip_instance_cache=True
+    )
+    fs.mkdir(BUCKET)
+    pattern = os.urandom(16) * (chunk // 16)
+    runs: dict[str, Any] = {}
+    closers: list[Callable[[], None]] = []
+    try:
+        if with_vllm:
+            import numpy as np
+
+            array = np.frombuffer(pattern * rows, dtype=np.uint8).reshape(rows, chunk).copy()
+            tier = vllm_tier(chunk, array, endpoint, threads)
+            closers.append(tier.shutdown)
+            runs["vllm"] = VllmRun(tier, rows, n, batch)
+        capacity = 4 * nbytes * (repeats + 2)  # never evicts: the bench deletes, not the tier
+        for name in sides:
+            host = MemoryHostBuffer(rows, chunk)
+            for s in range(rows):
+                host.slot_view(s)[:] = pattern
+            store = kvhex_tier(name, host, endpoint, capacity, threads)
+            closers.append(store.close)
+            runs[name] = KvhexRun(store, host, n, batch)
+
+        def clean() -> None:
+            """Delete the pass's block objects (kvhex's namespace configs stay)."""
+            found = [p for p in fs.find(BUCKET) if not p.endswith("/config.json")]
+            if found:
+                fs.rm(found)
+
+        order = list(runs)
+        for side in order:  # untimed warm-up round
+            runs[side].put()
+        for side in order:
+            runs[side].get()
+        clean()
+        rates: dict[str, list[float]] = {}
+        for r in range(repeats):
+            turn = order[r % len(order) :] + order[: r % len(order)]
+            for direction in ("put", "get"):
+                got = {side: timed(getattr(runs[side], direction), nbytes) for side in turn}
+                for side, rate in got.items():
+                    rates.setdefault(f"{side} {direction}", []).append(rate)
+                    if with_vllm and side != "vllm":
+                        ratio = rate / got["vllm"]
+                        rates.setdefault(f"{side} ratio {direction}", []).append(ratio)
+            clean()
+        return {name: statistics.median(values) for name, values in rates.items()}
+    finally:
+        for close in reversed(closers):
+            close()
+        server.communicate("")  # its stdin closes: it exits
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--total-mib",
+        type=int,
+        default=512,
+        help="MiB each side puts and gets per pass and chunk size (moto holds one pass)",
+    )
+    parser.add_argument("--tiers", default="s3,nixl", help="kvhex tiers: s3, nixl or both")
+    parser.add_argument("--batch", type=int, default=16, help="chunks per job, every side")
+    parser.add_argument(
+        "--io-threads",
+        type=int,
+        default=4,
+        help="every side's IO threads (vLLM's obj tier defaults to 4)",
+    )
+    parser.add_argument("--repeats", type=int, default=5)
+    args = parse(parser, QUICK)
+    report = Report("objects", args)
+    sides = [s for s in args.tiers.split(",") if s]
+    unknown = set(sides) - set(NAMES)
+    if unknown:
+        parser.error(f"--tiers: unknown {', '.join(sorted(unknown))} (s3, nixl)")
+    missing = vllm_missing()
+    with_vllm = missing is None
+    t, b = args.io_threads, args.batch
+    report.say(
+        f"objects: {args.total_mib} MiB each way per pass, {b} chunks per job, "
+        f"{args.repeats} passes, moto on loopback in its own process"
+    )
+    if with_vllm:
+        report.say(
+            f"  vllm obj (baseline): one NIXL agent, OBJ backend num_threads={t}, "
+            "one transfer per job, every job submitted at once"
+        )
+    else:
+        report.say(WHERE_VLLM.format(why=missing))
+    if "s3" in sides:
+        report.say(
+            f"  {NAMES['s3']}: {t} IO threads, a job at a time each, one s3fs batch of {b} "
+            f"requests per job (up to {t * b} requests in flight)"
+        )
+    if "nixl" in sides:
+        report.say(
+            f"  {NAMES['nixl']}: {t} IO threads, a job at a time each, one NIXL OBJ agent each "
+            "(OBJ backend threads: NIXL's default)"
+        )
+    head = f"{'tier':<6}{'chunk':>9}{'put GB/s':>10}{'vllm':>8}{'ratio':>7}"
+    report.say(head + f"{'get GB/s':>10}{'vllm':>8}{'ratio':>7}")
+    for chunk in (2 * MiB, 256 * 1024):
+        label = f"{chunk // 1024} KiB"
+        r = one_size(chunk, sides, args, with_vllm)
+        for side in sides:
+            report.say(_line(side, label, r))
+            for direction in ("put", "get"):
+                report.row(
+                    f"{side} {label} {direction}",
+                    r[f"{side} {direction}"],
+                    r.get(f"vllm {direction}"),
+                    unit="GB/s",
+                    baseline_name=BASELINE,
+                    better="higher",
+                    ratio=r.get(f"{side} ratio {direction}"),
+                )
+    report.finish()
+
+
+def _line(side: str, label: str, r: dict[str, float]) -> str:
+    def fmt(name: str, width: int, digits: int) -> str:
+        value = r.get(name)
+        return f"{'-':>{width}}" if value is None else f"{value:>{width}.{digits}f}"
+
+    return f"{side:<6}{label:>9}" + "".join(
+        fmt(f"{side} {d}", 10, 3) + fmt(f"vllm {d}", 8, 3) + fmt(f"{side} ratio {d}", 7, 2)
+        for d in ("put", "get")
+    )
+
+
+if __name__ == "__main__":
+    main()
