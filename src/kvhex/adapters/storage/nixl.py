@@ -16,10 +16,10 @@ run side by side without a lock.
 * OBJ (:class:`NixlObjectMover`): one object per block in the block format, the same objects
   the fsspec tier writes on S3. NIXL writes whole objects from contiguous memory, so a
   block's header and payload are staged back to back in the agent's staging area (one copy of
-  the payload) and a batch of objects goes out in one transfer; reads fetch each object's
-  header into the staging area and its payload straight into the host slot, again one
-  transfer per batch. Listing and deletes, which NIXL does not offer, go through s3fs on the
-  same bucket.
+  the payload) and a batch of objects goes out in one transfer; reads fetch each object whole
+  into the staging area (one request per block: NIXL makes a request of every descriptor)
+  and copy its payload into the host slot, again one transfer per batch. Listing and
+  deletes, which NIXL does not offer, go through s3fs on the same bucket.
 
 Works CPU-only with ``nixl==1.5.1``; the API module is ``nixl_cu12`` (the ``nixl_cu13`` build
 that ``import nixl`` picks on CPU cannot load the OBJ plugin).
@@ -326,13 +326,13 @@ class NixlObjectMover:
         return errors
 
     def get_objects(self, objects: Sequence[tuple[str, memoryview]]) -> list[bytes | None]:
-        """Each object's header into the staging area and payload into its view, a batch per
-        transfer; a batch that fails is read again object by object, so one missing object
-        fails only itself."""
+        """Each object whole into the staging area (one request each), a batch per transfer,
+        then its payload into its view; a batch that fails is read again object by object, so
+        one missing object fails only itself."""
         nixl = self.agents.get()
         out: list[bytes | None] = [None] * len(objects)
         indexed = list(enumerate(objects))
-        for batch in _batches(indexed, _get_size, MAX_TRANSFER_BYTES, STAGED_HEADERS):
+        for batch in _batches(indexed, _get_size, STAGED_OBJECT_BYTES, len(objects)):
             if not self._get(nixl, batch, out) and len(batch) > 1:
                 for one in batch:
                     self._get(nixl, [one], out)
@@ -344,23 +344,27 @@ class NixlObjectMover:
         batch: list[tuple[int, tuple[str, memoryview]]],
         out: list[bytes | None],
     ) -> bool:
-        staged = nixl.stage(len(batch) * HEADER_AREA)
-        staged[: len(batch) * HEADER_AREA] = bytes(len(batch) * HEADER_AREA)  # no stale header
+        staged = nixl.stage(sum(_get_size(one) for one in batch))
         local: list[tuple[int, int, int]] = []
-        remote: list[tuple[int, int, int]] = []
         names: list[tuple[int, str]] = []
-        for j, (_, (path, view)) in enumerate(batch):
-            n = len(view)
-            local += ((nixl.staging_at + j * HEADER_AREA, HEADER_AREA, 0), (_address(view), n, 0))
-            remote += ((0, HEADER_AREA, j), (HEADER_AREA, n, j))
-            names.append((HEADER_AREA + n, self._object(path)))
+        at = 0
+        for _, (path, view) in batch:
+            n = HEADER_AREA + len(view)
+            staged[at : at + HEADER_AREA] = bytes(HEADER_AREA)  # no stale header
+            local.append((nixl.staging_at + at, n, 0))
+            names.append((n, self._object(path)))
+            at += n
+        remote = [(0, n, j) for j, (n, _) in enumerate(names)]
         try:
             ok = nixl.transfer_objects("READ", local, names, remote)
         except Exception:  # a missing object fails the transfer at submission
             ok = False
         if ok:
-            for j, (i, _) in enumerate(batch):
-                out[i] = bytes(staged[j * HEADER_AREA : (j + 1) * HEADER_AREA])
+            at = 0
+            for i, (_, view) in batch:
+                view[:] = staged[at + HEADER_AREA : at + HEADER_AREA + len(view)]
+                out[i] = bytes(staged[at : at + HEADER_AREA])
+                at += HEADER_AREA + len(view)
         return ok
 
     def close(self) -> None:

@@ -232,6 +232,9 @@ class FsspecObjectMover:
     def __init__(self, fs: Any, url: str) -> None:
         self.fs = fs
         self.url = url
+        # s3fs asks for an object's size (a HEAD) before every GET unless told to read each
+        # object in one request: a block is one object, read whole
+        self._cat_options = {"max_concurrency": 1} if hasattr(fs, "max_concurrency") else {}
 
     def put_objects(
         self, objects: Sequence[tuple[str, OffloadKey, memoryview]]
@@ -267,7 +270,7 @@ class FsspecObjectMover:
         """
         paths = [path for path, _ in objects]
         try:
-            got = self.fs.cat(paths, on_error="return")
+            got = self.fs.cat(paths, on_error="return", **self._cat_options)
         except Exception as exc:
             raise _failure(exc, self.url) from exc
         out: list[bytes | None] = []
