@@ -97,7 +97,11 @@ class BlockTierStore:
         self._name = identity.ownership or "tier"
         self.capacity_bytes = capacity_bytes
         self.io_threads = io_threads
-        self._index = Residency(identity, capacity_bytes, block_bytes)
+        try:
+            self._index = Residency(identity, capacity_bytes, block_bytes)
+        except ValueError:
+            io.close()
+            raise
         self._exclusive = io.exclusive
         self._jobs: dict[_Future, _Job] = {}
         # removals in flight: a finished future is queued by its done callback, so poll costs
@@ -110,11 +114,15 @@ class BlockTierStore:
         self.io_errors = 0
         self._pool = cf.ThreadPoolExecutor(io_threads, thread_name_prefix=f"kvhex-{self._name}")
         self._closed = False
-        inventory = io.inventory()
-        self.foreign_files = inventory.foreign
-        over = self._index.adopt(inventory.blocks)
-        if over:
-            io.remove_many(over)
+        try:
+            inventory = io.inventory()
+            self.foreign_files = inventory.foreign
+            over = self._index.adopt(inventory.blocks)
+            if over:
+                io.remove_many(over)
+        except BaseException:  # nothing half-started stays: locks, files, agents released
+            self.close()
+            raise
         if inventory.blocks or inventory.foreign:
             log.info(
                 "tier_recovered",
