@@ -311,8 +311,9 @@ class NixlObjectMover:
             at = 0
             for path, key, payload in batch:
                 n = HEADER_AREA + len(payload)
-                staged[at : at + HEADER_AREA] = pack_header(key, payload)
                 staged[at + HEADER_AREA : at + n] = payload
+                # the checksum reads the staged copy, still in the CPU cache
+                staged[at : at + HEADER_AREA] = pack_header(key, staged[at + HEADER_AREA : at + n])
                 local.append((nixl.staging_at + at, n, 0))
                 names.append((n, self._object(path)))
                 at += n
