@@ -201,10 +201,10 @@ def test_tier_options_are_checked_against_the_tier_before_building(tmp_path: Pat
         build_tier("memory", host, registry, {"capacity_bytes": 0}, path="$.t")
     assert err.value.paths == ("$.t",)
     with pytest.raises(ConfigError) as err:
-        build_tier("memory", host, registry, {"capacity_bytes": 9, "locality": "far"}, path="$.t")
+        build_tier("memory", host, registry, {"capacity_bytes": 64, "locality": "far"}, path="$.t")
     assert err.value.paths == ("$.t.locality",)
     tier = build_tier(
-        "memory", host, registry, {"capacity_bytes": 9, "locality": "remote"}, path="$.t"
+        "memory", host, registry, {"capacity_bytes": 64, "locality": "remote"}, path="$.t"
     )
     assert tier.identity.locality is Locality.REMOTE
 
