@@ -26,7 +26,7 @@ from kvhex.domain.request import ReqContext
 from kvhex.domain.tiers import TierIdentity
 from kvhex.ports.events import EventSource
 
-__all__ = ["RequestAware", "TierStore"]
+__all__ = ["Occupancy", "RequestAware", "TierStore"]
 
 
 @runtime_checkable
@@ -98,4 +98,20 @@ class RequestAware(Protocol):
 
     def on_request_finished(self, ctx: ReqContext) -> None:
         """No more submissions for ``ctx`` will follow (jobs may still be in flight)."""
+        ...
+
+
+@runtime_checkable
+class Occupancy(Protocol):
+    """Optional for a ``TierStore``: how full it is, for metrics (read from the scheduler
+    thread or a metrics scrape; plain attribute reads, never IO)."""
+
+    @property
+    def used_bytes(self) -> int:
+        """Bytes held by readable blocks and reserved by puts in flight."""
+        ...
+
+    @property
+    def capacity_bytes(self) -> int:
+        """Bytes the tier may hold."""
         ...

@@ -55,6 +55,11 @@ class OffloadEngine:
             return manager.lookup(key, ctx)
         return manager.primary.lookup(key)
 
+    def load_source(self, key: OffloadKey, ctx: ReqContext) -> TierIdentity | None:
+        """The secondary tier a ``HIT`` of ``key`` for ``ctx`` was promoted from, ``None``
+        for host memory. See ``TieringManager.load_source``."""
+        return self._live("load_source").load_source(key, ctx)
+
     def prepare_load(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> list[int]:
         """Pin the host slots of ``keys`` (answered ``HIT``) for a device load."""
         return self._live("prepare_load").prepare_load(keys, ctx)

@@ -37,19 +37,36 @@ class EventPipeline:
         self._rank = data_parallel_rank
         self.batches_published = 0
         self.publish_failures = 0
+        self.events_published: dict[tuple[str, str], int] = {}
+        """Public events published (to the sinks, or taken by the host engine), per (event
+        type, medium); ``AllBlocksCleared`` carries no medium and counts under ``""``."""
+        self.sink_batches: list[int] = [0] * len(self.sinks)
+        """Batches each sink (by position) took."""
+        self.sink_failures: list[int] = [0] * len(self.sinks)
+        """Batches each sink refused (its ``publish`` raised): lost for that sink."""
 
     def process(self, raw: list[TierEvent]) -> list[PublicEvent]:
         """Translate ``raw`` (releasing the contexts it carried); publish the result as one
         batch if it is not empty; return the public events."""
         events = self.translator.translate(raw)
         raw.clear()  # the raw events, and the request contexts they hold, are done
+        counts = self.events_published
+        for event in events:
+            kind = (type(event).__name__, getattr(event, "medium", None) or "")
+            counts[kind] = counts.get(kind, 0) + 1
         if events and self.sinks:
             batch = EventBatch(self._clock(), events, self._rank)
-            for sink in self.sinks:
+            if len(self.sink_batches) < len(self.sinks):  # sinks added after construction
+                grow = len(self.sinks) - len(self.sink_batches)
+                self.sink_batches += [0] * grow
+                self.sink_failures += [0] * grow
+            for i, sink in enumerate(self.sinks):
                 try:
                     sink.publish(batch)
+                    self.sink_batches[i] += 1
                 except Exception as exc:
                     self.publish_failures += 1
+                    self.sink_failures[i] += 1
                     log.warning(
                         "event_sink_publish_failed", sink=type(sink).__name__, error=repr(exc)
                     )

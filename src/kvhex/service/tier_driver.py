@@ -25,6 +25,7 @@ from collections.abc import Callable, Sequence
 import attrs
 import structlog
 
+from kvhex.domain.histogram import Histogram
 from kvhex.domain.jobs import JobId, JobKind, JobResult, TierJob
 from kvhex.domain.keys import OffloadKey
 from kvhex.domain.request import ReqContext
@@ -37,7 +38,7 @@ __all__ = ["TierDriver", "TierStats", "loaded_keys"]
 log = structlog.get_logger(__name__)
 
 _PUT, _GET, _PROBE = JobKind.PUT, JobKind.GET, JobKind.PROBE
-_MISS = LookupResult.MISS
+_HIT, _MISS = LookupResult.HIT, LookupResult.MISS
 
 
 @attrs.define
@@ -69,6 +70,32 @@ class TierStats:
     get_seconds: float = 0.0
     """Time with at least one get running."""
     in_flight: int = 0
+    puts_in_flight: int = 0
+    gets_in_flight: int = 0
+    keys_in_flight_put: int = 0
+    """Host slots the puts in flight read (pinned until they finish)."""
+    keys_in_flight_get: int = 0
+    """Host slots the gets (promotions) in flight write."""
+    lookups: int = 0
+    """Lookups that asked this tier (the host tier did not hold the key)."""
+    hits: int = 0
+    """Lookups this tier answered ``HIT`` (each starts a promotion or finds no host room)."""
+    misses: int = 0
+    """Lookups this tier answered ``MISS`` (the rest were ``RETRY``: probe not back yet)."""
+    blocks_stored: int = 0
+    """Keys the tier announced ``Stored`` (adoptions at start-up included)."""
+    blocks_removed: int = 0
+    """Keys the tier announced ``Removed`` (evicted, deleted, lost or found corrupt)."""
+    resident_blocks: int = 0
+    """Keys readable now, by the tier's own events (a ``Cleared`` sets it to 0)."""
+    used_bytes: int | None = None
+    """Bytes held (an ``Occupancy`` tier's answer at the snapshot; ``None``: it does not say)."""
+    capacity_bytes: int | None = None
+    """Bytes the tier may hold (as ``used_bytes``)."""
+    put_latency: Histogram = attrs.field(factory=Histogram)
+    """Seconds from a put's submission to its result reaching the manager."""
+    get_latency: Histogram = attrs.field(factory=Histogram)
+    """Seconds from a get's (promotion's) submission to its result reaching the manager."""
     _put_until: float = attrs.field(default=0.0, repr=False, eq=False)
     _get_until: float = attrs.field(default=0.0, repr=False, eq=False)
 
@@ -98,7 +125,16 @@ def loaded_keys(job: TierJob, result: JobResult) -> tuple[list[OffloadKey], list
 class TierDriver:
     """Submits one tier's jobs, polls their results and keeps what they teach about the tier."""
 
-    __slots__ = ("_hooks", "_jobs", "_missing", "_probe_ids", "_probes", "_stats", "_store")
+    __slots__ = (
+        "_hooks",
+        "_jobs",
+        "_missing",
+        "_probe_ids",
+        "_probes",
+        "_stats",
+        "_store",
+        "on_job",
+    )
 
     def __init__(self, store: TierStore, name: str, *, probe_ids: Callable[[], JobId]) -> None:
         """Args:
@@ -114,6 +150,9 @@ class TierDriver:
         self._jobs: dict[JobId, tuple[TierJob, float]] = {}  # job, submitted (perf_counter)
         self._probes = ProbeCache()
         self._missing: set[OffloadKey] = set()
+        self.on_job: Callable[[TierJob, JobResult, float], None] | None = None
+        """Called with each finished put or get, its result and its latency (seconds from
+        submission to the result reaching this driver): the vLLM adapter's metrics."""
 
     @property
     def store(self) -> TierStore:
@@ -134,9 +173,17 @@ class TierDriver:
         """``MISS`` for a key whose get failed here; otherwise the probe's answer: ``HIT`` or
         ``MISS`` once answered, ``RETRY`` before (the first ask queues the key for the probe
         ``submit_probes`` sends). ``ctx`` keeps the answer alive until ``forget_request``."""
+        stats = self._stats
+        stats.lookups += 1
         if key in self._missing:
+            stats.misses += 1
             return _MISS
-        return self._probes.lookup(key, ctx)
+        answer = self._probes.lookup(key, ctx)
+        if answer is _HIT:
+            stats.hits += 1
+        elif answer is _MISS:
+            stats.misses += 1
+        return answer
 
     def submit(self, job: TierJob) -> JobResult | None:
         """Send a put or get job to the store.
@@ -171,7 +218,7 @@ class TierDriver:
     def _send(self, job: TierJob, send: Callable[[TierJob], None]) -> JobResult | None:
         submitted = time.perf_counter()
         self._jobs[job.job_id] = (job, submitted)
-        self._stats.in_flight += 1
+        self._in_flight(job, 1)
         try:
             send(job)
         except Exception as exc:
@@ -187,6 +234,16 @@ class TierDriver:
             self._finish(job, failed, submitted)
             return failed
         return None
+
+    def _in_flight(self, job: TierJob, delta: int) -> None:
+        stats = self._stats
+        stats.in_flight += delta
+        if job.kind is _PUT:
+            stats.puts_in_flight += delta
+            stats.keys_in_flight_put += delta * len(job.keys)
+        elif job.kind is _GET:
+            stats.gets_in_flight += delta
+            stats.keys_in_flight_get += delta * len(job.keys)
 
     def poll(self) -> list[tuple[TierJob, JobResult]]:
         """The puts and gets the store finished since the last call, with their results, in
@@ -216,12 +273,16 @@ class TierDriver:
 
     def _finish(self, job: TierJob, result: JobResult, submitted: float) -> None:
         del self._jobs[job.job_id]
-        self._stats.in_flight -= 1
+        self._in_flight(job, -1)
         if job.kind is _PROBE:
             self._finish_probe(job, result)
             return
         if result.seconds is not None:
             self._stats.add_busy(job.kind, submitted, submitted + result.seconds)
+        latency = time.perf_counter() - submitted
+        (self._stats.put_latency if job.kind is _PUT else self._stats.get_latency).observe(latency)
+        if self.on_job is not None:
+            self.on_job(job, result, latency)
         if job.kind is _PUT:
             self._finish_put(job, result)
         else:

@@ -21,6 +21,7 @@ Threading: every method runs on the scheduler thread. Only ``reset`` and ``shutd
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -28,15 +29,15 @@ import attrs
 import structlog
 
 from kvhex.domain.backpressure import AdmissionPolicy, AlwaysAdmit
-from kvhex.domain.events import TierEvent
+from kvhex.domain.events import Removed, Stored, TierEvent
 from kvhex.domain.jobs import JobId, JobKind, JobResult, TierJob
 from kvhex.domain.keys import OffloadKey
 from kvhex.domain.primary import PrimaryStats, PrimaryTier, StorePlan
 from kvhex.domain.request import ReqContext
-from kvhex.domain.tiers import LookupResult, OffloadPolicy
+from kvhex.domain.tiers import LookupResult, OffloadPolicy, TierIdentity
 from kvhex.errors import TierError
 from kvhex.ports.host_buffer import HostBuffer
-from kvhex.ports.tier_store import TierStore
+from kvhex.ports.tier_store import Occupancy, TierStore
 from kvhex.service.tier_driver import TierDriver, TierStats, loaded_keys
 
 __all__ = ["TieringManager", "TieringStats"]
@@ -55,10 +56,15 @@ class TieringStats:
     tiers: tuple[TierStats, ...]
     active_requests: int
     jobs_in_flight: int
+    lookups: int = 0
+    """Lookups asked (each key of each lookup call)."""
+    host_hits: int = 0
+    """Lookups answered ``HIT`` from host memory."""
 
 
 @attrs.define(eq=False)
 class _Tier:
+    index: int
     store: TierStore
     driver: TierDriver
     stats: TierStats
@@ -106,7 +112,10 @@ class TieringManager:
         for i, store in enumerate(tiers):
             name = names[i] if names else (store.identity.ownership or f"tier{i}")
             driver = TierDriver(store, name, probe_ids=self._new_job_id)
-            self._tiers.append(_Tier(store, driver, driver.stats, make_admission(i)))
+            self._tiers.append(_Tier(i, store, driver, driver.stats, make_admission(i)))
+        self._origins: dict[ReqContext, dict[OffloadKey, _Tier]] = {}
+        self._lookups = 0
+        self._host_hits = 0
         self._requests: dict[ReqContext, _Request] = {}
         self._hits_this_step: set[OffloadKey] = set()
         self._remember_hit = self._hits_this_step.add
@@ -122,6 +131,7 @@ class TieringManager:
         ``MISS`` nowhere, or the host tier has no room to promote into."""
         if not self._polled:
             self._poll()
+        self._lookups += 1
         try:
             slot = self._index_get(key)
         except TypeError:
@@ -131,6 +141,7 @@ class TieringManager:
                 return _PENDING
             # a promotion later this step must not evict a chunk already answered HIT
             self._remember_hit(key)
+            self._host_hits += 1
             return _HIT
         if not self._tiers:
             return _MISS
@@ -155,7 +166,18 @@ class TieringManager:
         keys, slots = tier.promotions.setdefault(ctx, ([], []))
         keys.append(key)
         slots.append(plan.slots[0])
+        if (origins := self._origins.get(ctx)) is None:
+            origins = self._origins[ctx] = {}
+        origins[key] = tier
         return _PENDING
+
+    def load_source(self, key: OffloadKey, ctx: ReqContext) -> TierIdentity | None:
+        """The secondary tier whose promotion brought ``key`` into host memory for ``ctx``
+        (asked after a lookup answered ``HIT``), or ``None``: host memory held it already, or
+        the promotion failed. Known until the request is finalized or the engine reset."""
+        origins = self._origins.get(ctx)
+        tier = origins.get(key) if origins is not None else None
+        return tier.store.identity if tier is not None else None
 
     # -- loads to the device (delegated) -------------------------------------------------
     def prepare_load(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> list[int]:
@@ -276,6 +298,7 @@ class TieringManager:
         if any(ctx in tier.promotions for tier in self._tiers):
             return  # its promotions go out at step end; then tiers hear "finished"
         del self._requests[ctx]
+        self._origins.pop(ctx, None)
         for tier in self._tiers:
             tier.driver.on_request_finished(ctx)
 
@@ -313,6 +336,10 @@ class TieringManager:
             tier.admission.on_completed(result)
             return
         loaded, failed = loaded_keys(job, result)  # either may be empty: a no-op then
+        if failed and job.ctx is not None and (origins := self._origins.get(job.ctx)):
+            for key in failed:
+                if origins.get(key) is tier:
+                    del origins[key]
         self._primary.complete_store(loaded, job.ctx, True)
         self._primary.complete_store(failed, job.ctx, False)
 
@@ -321,7 +348,9 @@ class TieringManager:
         """The primary tier's events, then each secondary tier's, in configured order."""
         events = self._primary.take_events()
         for tier in self._tiers:
-            events.extend(tier.store.take_events())
+            if taken := tier.store.take_events():
+                _count_events(tier.stats, taken)
+                events.extend(taken)
         return events
 
     def has_pending_work(self) -> bool:
@@ -348,6 +377,7 @@ class TieringManager:
         reserved = sum(len(keys) for t in self._tiers for keys, _ in t.promotions.values())
         device_busy = host.pending - reserved + host.pinned
         self._hits_this_step.clear()
+        self._origins.clear()
         for tier in self._tiers:
             tier.promotions.clear()
             tier.driver.clear()
@@ -387,6 +417,22 @@ class TieringManager:
         """The host buffer, until a clean shutdown released it."""
         return self._host
 
+    def observe_jobs(self, observer: Callable[[int, TierJob, JobResult, float], None]) -> None:
+        """Call ``observer(tier_index, job, result, latency_s)`` for every put and get a
+        secondary tier finishes from now on (latency: submission to the result reaching the
+        manager). One observer; a second call replaces the first."""
+        for tier in self._tiers:
+            tier.driver.on_job = functools.partial(observer, tier.index)
+
+    def admission_policies(self) -> tuple[AdmissionPolicy, ...]:
+        """Each secondary tier's admission policy, in lookup order."""
+        return tuple(t.admission for t in self._tiers)
+
+    @property
+    def tier_stores(self) -> tuple[TierStore, ...]:
+        """The secondary tiers, in lookup order (the same order as ``stats().tiers``)."""
+        return tuple(t.store for t in self._tiers)
+
     @property
     def primary(self) -> PrimaryTier:
         """The host primary tier."""
@@ -394,6 +440,40 @@ class TieringManager:
 
     def stats(self) -> TieringStats:
         """Snapshot of the primary tier's and every secondary tier's counters."""
-        tiers = tuple(attrs.evolve(t.stats) for t in self._tiers)
+        tiers = tuple(_snapshot(t) for t in self._tiers)
         in_flight = sum(t.driver.in_flight for t in self._tiers)
-        return TieringStats(self._primary.stats(), tiers, len(self._requests), in_flight)
+        return TieringStats(
+            self._primary.stats(),
+            tiers,
+            len(self._requests),
+            in_flight,
+            self._lookups,
+            self._host_hits,
+        )
+
+
+def _snapshot(tier: _Tier) -> TierStats:
+    stats = tier.stats
+    used = capacity = None
+    if isinstance(tier.store, Occupancy):
+        used, capacity = tier.store.used_bytes, tier.store.capacity_bytes
+    return attrs.evolve(
+        stats,
+        put_latency=stats.put_latency.copy(),
+        get_latency=stats.get_latency.copy(),
+        used_bytes=used,
+        capacity_bytes=capacity,
+    )
+
+
+def _count_events(stats: TierStats, events: list[TierEvent]) -> None:
+    """A tier's announcements, counted into its stats (keys stored, removed, resident)."""
+    for event in events:
+        if type(event) is Stored:
+            stats.blocks_stored += len(event.keys)
+            stats.resident_blocks += len(event.keys)
+        elif type(event) is Removed:
+            stats.blocks_removed += len(event.keys)
+            stats.resident_blocks = max(0, stats.resident_blocks - len(event.keys))
+        else:
+            stats.resident_blocks = 0

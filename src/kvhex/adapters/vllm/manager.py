@@ -33,6 +33,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from contextlib import contextmanager
+from time import perf_counter
 from typing import Any
 
 from vllm.distributed import kv_events as vev
@@ -48,15 +49,18 @@ from kvhex.adapters.vllm.convert import (
     provenance_of,
     vllm_events,
 )
+from kvhex.adapters.vllm.metrics import VllmMetrics, cache_hit_source
 from kvhex.domain.geometry import KvGeometry
 from kvhex.domain.keys import OffloadKey
 from kvhex.domain.request import ReqContext
-from kvhex.domain.tiers import TierIdentity
+from kvhex.domain.tiers import LookupResult, TierIdentity
 from kvhex.ports.tier_store import TierStore
 from kvhex.service.engine import OffloadEngine
 from kvhex.service.tiering import TieringStats
 
 __all__ = ["KvhexOffloadingManager"]
+
+_HIT, _MISS = LookupResult.HIT, LookupResult.MISS
 
 
 class KvhexOffloadingManager(vbase.OffloadingManager):
@@ -96,6 +100,11 @@ class KvhexOffloadingManager(vbase.OffloadingManager):
         # schedule ends still to wait for, there being no flush signal
         self._promotions_held = False
         self._held_steps = 0
+        self._metrics = VllmMetrics(
+            engine,
+            tier_names=[t.name for t in engine.stats().tiers],
+            store_threshold=engine.manager.primary.store_threshold,
+        )
 
     # -- kvhex-side access ---------------------------------------------------------------
     @property
@@ -135,14 +144,20 @@ class KvhexOffloadingManager(vbase.OffloadingManager):
 
     # -- OffloadingManager ---------------------------------------------------------------
     def lookup(self, key: OffloadKey, req_context: vbase.ReqContext) -> vbase.LookupResult:
-        return LOOKUP[
-            self._engine.lookup(key, self._ctx(req_context), promote=not self._promotions_held)
-        ]
+        start = perf_counter()
+        result = self._engine.lookup(key, self._ctx(req_context), promote=not self._promotions_held)
+        if result is _HIT or result is _MISS:
+            self._metrics.on_lookup(perf_counter() - start)
+        return LOOKUP[result]
 
     def get_load_source(self, key: OffloadKey, req_context: vbase.ReqContext) -> Any:
-        from vllm.v1.metrics.cache_hit_source import CacheHitSource
+        """Host memory, or the tier (file: ``DISK``; remote: ``EXTERNAL_UNSPECIFIED``) whose
+        promotion brought ``key`` in for this request."""
+        return cache_hit_source(self._engine.load_source(key, self._ctx(req_context)))
 
-        return CacheHitSource.HOST
+    def get_stats(self) -> Any:
+        """vLLM's CPU and tiering metrics since the last call (see ``metrics.py``)."""
+        return self._metrics.take()
 
     def prepare_load(
         self, keys: Collection[OffloadKey], req_context: vbase.ReqContext

@@ -46,7 +46,6 @@ from vllm.v1.kv_offload.base import (
 )
 from vllm.v1.kv_offload.config import OffloadingConfig
 from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
-from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
 from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
 
 from kvhex.adapters.vllm.compat import (
@@ -58,6 +57,7 @@ from kvhex.adapters.vllm.compat import (
 )
 from kvhex.adapters.vllm.compose import RegionHostBuffer, build_engine
 from kvhex.adapters.vllm.manager import KvhexOffloadingManager
+from kvhex.adapters.vllm.metrics import metric_definitions
 from kvhex.adapters.vllm.settings import SOURCE, VllmSettings, parse_settings
 from kvhex.domain.geometry import KvGeometry, KvGroup
 from kvhex.errors import ConfigError
@@ -255,12 +255,9 @@ class KvhexOffloadingSpec(TieringOffloadingSpec):
     def build_metric_definitions(
         cls, extra_config: dict[str, Any]
     ) -> dict[str, OffloadingMetricMetadata]:
-        # kvhex reports no vLLM tiering metrics; resolving vLLM tier classes here would also
-        # reject kvhex-only tier entries before kvhex could name the bad key
-        definitions: dict[str, OffloadingMetricMetadata] = (
-            CPUOffloadingSpec.build_metric_definitions(extra_config)
-        )
-        return definitions
+        # vLLM's CPU and tiering definitions (kvhex's manager emits both); not those of vLLM's
+        # tier classes, whose resolution would also reject kvhex-only tier entries
+        return metric_definitions(extra_config)
 
     @classmethod
     def config_info_keys(cls, extra_config: dict[str, Any]) -> tuple[str, ...]:

@@ -1,0 +1,1 @@
+"""Metrics adapters: an engine's counters exported to a monitoring system (``prometheus``)."""
