@@ -259,3 +259,22 @@ def test_kvhex_bench_without_its_scripts_says_where_it_looked(tmp_path: Path) ->
     assert done.returncode == 2
     assert str(tmp_path) in done.stderr
     assert "--bench-dir" in done.stderr
+
+
+def test_metrics_bench_runs_and_reports_the_ratio_to_no_collector() -> None:
+    done = subprocess.run(
+        [sys.executable, str(BENCH / "metrics.py"), "--quick", "--json"],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=120,
+    )
+    document = json.loads(done.stdout)
+    assert document["bench"] == "metrics"
+    (lookup, scrape) = document["rows"]
+    assert lookup["baseline_name"] == "no collector"
+    assert lookup["kvhex"] > 0
+    assert lookup["baseline"] > 0
+    assert lookup["ratio"] > 0
+    assert scrape["kvhex"] > 0
+    assert "ns/lookup" in done.stderr

@@ -136,6 +136,9 @@ def test_a_workload_reports_vllms_metrics_and_the_real_hit_sources(
     assert values[TieringOffloadingMetrics.CHUNK_HITS][("0:primary",)] >= 4
     assert values[TieringOffloadingMetrics.ACTIVE_CASCADE_JOBS][tier] == 0
     assert len(values[TieringOffloadingMetrics.LOOKUP_SYNC_DELAY][("0:primary",)]) >= 8
+    # keys whose lookups waited for the file tier's probe (RETRY) before resolving: m1's
+    # first chunk (a miss), m3's four (hits)
+    assert len(values[TieringOffloadingMetrics.LOOKUP_ASYNC_DELAY][("0:primary",)]) == 5
     assert 0 <= values[CPUOffloadingMetrics.CPU_CACHE_USAGE_PERC][()] <= 1
     assert values[CPUOffloadingMetrics.CPU_ALLOCATION_SIZE][()]  # one sample per store
     latency = getattr(TieringOffloadingMetrics, "PROMOTION_LATENCY", None)

@@ -60,7 +60,7 @@ from kvhex.service.tiering import TieringStats
 
 __all__ = ["KvhexOffloadingManager"]
 
-_HIT, _MISS = LookupResult.HIT, LookupResult.MISS
+_HIT, _MISS, _RETRY = LookupResult.HIT, LookupResult.MISS, LookupResult.RETRY
 
 
 class KvhexOffloadingManager(vbase.OffloadingManager):
@@ -100,6 +100,8 @@ class KvhexOffloadingManager(vbase.OffloadingManager):
         # schedule ends still to wait for, there being no flush signal
         self._promotions_held = False
         self._held_steps = 0
+        # per request, when each key's lookups first deferred (RETRY), for the async delay
+        self._deferred: dict[str, dict[OffloadKey, float]] = {}
         self._metrics = VllmMetrics(
             engine,
             tier_names=[t.name for t in engine.stats().tiers],
@@ -147,7 +149,11 @@ class KvhexOffloadingManager(vbase.OffloadingManager):
         start = perf_counter()
         result = self._engine.lookup(key, self._ctx(req_context), promote=not self._promotions_held)
         if result is _HIT or result is _MISS:
-            self._metrics.on_lookup(perf_counter() - start)
+            deferred = self._deferred.get(req_context.req_id)
+            since = deferred.pop(key, None) if deferred else None
+            self._metrics.on_lookup(perf_counter() - start, since)
+        elif result is _RETRY:
+            self._deferred.setdefault(req_context.req_id, {}).setdefault(key, start)
         return LOOKUP[result]
 
     def get_load_source(self, key: OffloadKey, req_context: vbase.ReqContext) -> Any:
@@ -202,6 +208,7 @@ class KvhexOffloadingManager(vbase.OffloadingManager):
         return policy_of(self._engine.on_new_request(ctx))
 
     def on_request_finished(self, req_context: vbase.ReqContext) -> None:
+        self._deferred.pop(req_context.req_id, None)
         self._engine.on_request_finished(self._ctx(req_context))
 
     def on_schedule_end(self, context: vbase.ScheduleEndContext) -> None:

@@ -13,7 +13,9 @@ Labels as vLLM's tiering manager sets them: ``tier="0:primary"`` for host memory
 ``"<i>:<name>"`` for the i-th secondary tier (1-based; vLLM writes the tier type, kvhex the
 tier's configured name, which defaults to its type). The lookup sync-delay histogram is
 observed under ``0:primary`` for each lookup that resolved (kvhex answers a chunk in one call,
-whichever tier holds it); chunk queries and hits are counted per tier that answered.
+whichever tier holds it), the async-delay histogram likewise for each key whose lookups
+deferred (``RETRY``) before resolving; chunk queries and hits are counted per tier that
+answered.
 """
 
 from __future__ import annotations
@@ -123,13 +125,17 @@ class VllmMetrics:
         self._last: TieringStats | None = None
         self._last_sizes: dict[int, int] = {}
         self._lookup_delays = _Samples()
+        self._lookup_waits = _Samples()
         self._promotion_latency = _Samples()
         self._jobs: dict[str, dict[tuple[str, ...], float]] = {}
         engine.manager.observe_jobs(self._on_job)
 
-    def on_lookup(self, seconds: float) -> None:
-        """A lookup resolved (``HIT`` or ``MISS``) after blocking ``seconds``."""
+    def on_lookup(self, seconds: float, deferred_since: float | None = None) -> None:
+        """A lookup resolved (``HIT`` or ``MISS``) after blocking ``seconds``; when earlier
+        lookups of the key answered ``RETRY``, ``deferred_since`` is the clock at the first."""
         self._lookup_delays.add(PRIMARY, seconds)
+        if deferred_since is not None:
+            self._lookup_waits.add(PRIMARY, self.clock() - deferred_since)
 
     def _on_job(self, index: int, job: TierJob, result: JobResult, latency: float) -> None:
         labels = self._labels[index]
@@ -196,6 +202,7 @@ class VllmMetrics:
                 stats.increase_counter(name, value, labels)
         self._jobs.clear()
         self._lookup_delays.emit(stats, Tiering.LOOKUP_SYNC_DELAY)
+        self._lookup_waits.emit(stats, Tiering.LOOKUP_ASYNC_DELAY)
         if _PROMOTION_LATENCY is not None:
             self._promotion_latency.emit(stats, _PROMOTION_LATENCY)
         self._last = now
