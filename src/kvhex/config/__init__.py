@@ -1,14 +1,38 @@
-"""kvhex configuration: the attrs model and its loaders (TOML, JSON, mappings)."""
+"""kvhex configuration: the attrs model and its loaders (TOML, JSON, mappings, and vLLM's
+``kv_connector_extra_config``)."""
 
-from kvhex.config.loader import load_config, loads_json, loads_toml, make_converter, structure
-from kvhex.config.model import KvhexConfig, PluginName, PositiveInt, PrimaryConfig
+from kvhex.config.loader import (
+    load_config,
+    load_vllm_config,
+    load_vllm_tier,
+    loads_json,
+    loads_toml,
+    make_converter,
+    structure,
+)
+from kvhex.config.model import (
+    BackpressureConfig,
+    KvhexConfig,
+    PluginName,
+    PositiveInt,
+    PrimaryConfig,
+    SinkConfig,
+    TierConfig,
+)
+from kvhex.config.vllm import VllmExtraConfig
 
 __all__ = [
+    "BackpressureConfig",
     "KvhexConfig",
     "PluginName",
     "PositiveInt",
     "PrimaryConfig",
+    "SinkConfig",
+    "TierConfig",
+    "VllmExtraConfig",
     "load_config",
+    "load_vllm_config",
+    "load_vllm_tier",
     "loads_json",
     "loads_toml",
     "make_converter",

@@ -3,28 +3,48 @@
 Constrained scalar types are ``NewType``s with one check function each; that function is both
 the attrs validator (for configs built in Python) and kvhex's cattrs structure hook (for
 configs loaded from TOML, JSON, dicts or vLLM's ``kv_connector_extra_config``), so every bad
-value is reported with its path, all at once.
+value is reported with its path, all at once. Checks across keys (a store threshold with
+tiers, two tiers of one name) run when the whole object is built, before anything else is,
+and raise ``ConfigError`` with paths from the object (``$.primary.store_threshold``); the
+loader places them under the object's own path.
 """
 
 # No ``from __future__ import annotations`` here: cattrs reads these annotations at runtime.
 
+import inspect
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any, NewType
 
 import attrs
 
+from kvhex.domain.backpressure import EmaBackpressure
+from kvhex.domain.tiers import Locality
+from kvhex.errors import ConfigError, ConfigIssue
+
 __all__ = [
     "CHECKS",
+    "HINT",
+    "STORE_THRESHOLD_WITH_TIERS",
+    "BackpressureConfig",
+    "ByteCount",
     "DeviceChoice",
     "KvhexConfig",
+    "NonEmptyStr",
+    "NonNegativeInt",
     "Options",
     "PluginName",
     "PositiveInt",
     "PrimaryConfig",
     "RunConfig",
     "SinkConfig",
+    "TaggedUnion",
     "TierConfig",
+    "TierName",
+    "Unsupported",
+    "check_tier_name",
+    "duplicate_tier_names",
+    "empty_url",
 ]
 
 PositiveInt = NewType("PositiveInt", int)
@@ -33,12 +53,27 @@ PositiveInt = NewType("PositiveInt", int)
 PluginName = NewType("PluginName", str)
 """The name of an entry point: lower-case letters, digits, ``_``, ``-`` and ``.``."""
 
+NonNegativeInt = NewType("NonNegativeInt", int)
+"""An ``int`` (not a ``bool``) of at least zero."""
+
+ByteCount = NewType("ByteCount", int)
+"""A number of bytes greater than zero; a float is accepted and truncated (vLLM's
+``--kv-offloading-size`` gives one)."""
+
+NonEmptyStr = NewType("NonEmptyStr", str)
+"""A string with at least one character that is not white space."""
+
+TierName = NewType("TierName", str)
+"""A tier's ownership name: 1-64 letters, digits, ``_``, ``-``, ``.`` (a letter or digit
+first)."""
+
 DeviceChoice = NewType("DeviceChoice", str)
 """Where ``kvhex run`` keeps its device KV cache: ``auto``, ``cpu`` or ``cuda``."""
 
 _DEVICES = ("auto", "cpu", "cuda")
 
 _PLUGIN_NAME = re.compile(r"[a-z0-9][a-z0-9_.\-]{0,63}")
+_TIER_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.\-]{0,63}")
 
 
 def _positive_int(value: Any) -> PositiveInt:
@@ -47,6 +82,30 @@ def _positive_int(value: Any) -> PositiveInt:
     if value <= 0:
         raise ValueError(f"must be greater than 0, got {value}")
     return PositiveInt(value)
+
+
+def _non_negative_int(value: Any) -> NonNegativeInt:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"expected an integer, got {type(value).__name__} {value!r}")
+    if value < 0:
+        raise ValueError(f"must be >= 0, got {value}")
+    return NonNegativeInt(value)
+
+
+def _byte_count(value: Any) -> ByteCount:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise TypeError(f"expected a number of bytes, got {type(value).__name__} {value!r}")
+    if not value >= 1:  # NaN too
+        raise ValueError(f"must be at least 1 byte, got {value!r}")
+    return ByteCount(int(value))
+
+
+def _non_empty_str(value: Any) -> NonEmptyStr:
+    if not isinstance(value, str):
+        raise TypeError(f"expected a string, got {type(value).__name__} {value!r}")
+    if not value.strip():
+        raise ValueError(f"must not be empty, got {value!r}")
+    return NonEmptyStr(value)
 
 
 def _plugin_name(value: Any) -> PluginName:
@@ -78,13 +137,69 @@ def _options(value: Any) -> Options:
     return Options(dict(value))
 
 
+def _locality(value: Any) -> Locality:
+    if isinstance(value, Locality):
+        return value
+    if isinstance(value, str) and value.upper() in Locality.__members__:
+        return Locality[value.upper()]
+    raise ValueError(f"must be 'LOCAL' or 'REMOTE', got {value!r}")
+
+
+def check_tier_name(value: Any) -> TierName:
+    """A tier's ownership name: 1-64 letters, digits, ``_``, ``-``, ``.`` (not first)."""
+    if not isinstance(value, str):
+        raise TypeError(f"expected a string, got {type(value).__name__} {value!r}")
+    if not _TIER_NAME.fullmatch(value):
+        raise ValueError(
+            f"must be 1-64 letters, digits, '_', '-' or '.' (a letter or digit first), "
+            f"got {value!r}"
+        )
+    return TierName(value)
+
+
+HINT = "hint"
+"""Field metadata: what a required key holds, said when it is missing."""
+
+
 CHECKS: dict[Any, Callable[[Any], Any]] = {
     Options: _options,
     PositiveInt: _positive_int,
+    NonNegativeInt: _non_negative_int,
+    ByteCount: _byte_count,
+    NonEmptyStr: _non_empty_str,
+    TierName: check_tier_name,
     PluginName: _plugin_name,
     DeviceChoice: _device_choice,
+    Locality: _locality,
 }
 """Check function per constrained type; used by validators and structure hooks alike."""
+
+
+@attrs.frozen
+class Unsupported:
+    """Marks a key kvhex knows and refuses: ``Annotated[Any, Unsupported(why)]``. Any value but
+    ``None`` or ``""`` is an error at the key, saying ``why`` (and what to do instead)."""
+
+    why: str
+
+
+@attrs.frozen
+class TaggedUnion:
+    """A union of attrs classes told apart by the value of one key, for the converter.
+
+    Attributes:
+        type: the union (``A | B``) as fields name it.
+        key: the key whose value picks the class (``type``).
+        members: the class of each value.
+        noun: what an entry is, for messages (``"tier"``).
+        hint: said after an unknown value (what the values mean).
+    """
+
+    type: Any
+    key: str
+    members: Mapping[str, type]
+    noun: str
+    hint: str = ""
 
 
 def _validator(check: Callable[[Any], Any]) -> Callable[[Any, "attrs.Attribute[Any]", Any], None]:
@@ -110,7 +225,9 @@ class PrimaryConfig:
         max_tracker_size: keys whose offers are counted when ``store_threshold`` > 1.
     """
 
-    capacity_bytes: PositiveInt = attrs.field(validator=_validator(_positive_int))
+    capacity_bytes: PositiveInt = attrs.field(
+        validator=_validator(_positive_int), metadata={HINT: "bytes of host memory for KV chunks"}
+    )
     policy: PluginName = attrs.field(default=PluginName("lru"), validator=_validator(_plugin_name))
     store_threshold: PositiveInt = attrs.field(
         default=PositiveInt(1), validator=_validator(_positive_int)
@@ -120,9 +237,107 @@ class PrimaryConfig:
     )
 
 
-def _optional_name(_: Any, attribute: "attrs.Attribute[Any]", value: Any) -> None:
-    if value is not None and (not isinstance(value, str) or not value):
-        raise TypeError(f"{attribute.name}: expected a non-empty string, got {value!r}")
+STORE_THRESHOLD_WITH_TIERS = (
+    "store_threshold >= 2 cannot be used with secondary tiers: a chunk promoted from a tier "
+    "reserves its host slot as a store, which the threshold refuses until the chunk was "
+    "offered that often, so tier hits would be answered as misses (vLLM's "
+    "TieringOffloadingSpec refuses it too); set it to 1, or remove the tiers"
+)
+"""Why a store threshold and secondary tiers are refused together (TOML and vLLM alike)."""
+
+
+def _optional(check: Callable[[Any], Any]) -> Callable[[Any], Any]:
+    return lambda value: None if value is None else check(value)
+
+
+def duplicate_tier_names(tiers: Iterable[tuple[str, str, str]]) -> list[ConfigIssue]:
+    """An issue at each name key that repeats an earlier tier's name.
+
+    Args:
+        tiers: per tier, in order: its name, its entry's path, the path of the key that
+            names it.
+    """
+    first: dict[str, str] = {}
+    issues: list[ConfigIssue] = []
+    for name, entry, key in tiers:
+        if name in first:
+            issues.append(
+                (
+                    key,
+                    f"tier name {name!r} is already used by {first[name]}; give each tier a "
+                    "name of its own (it is the ownership its events announce and names its "
+                    "stats)",
+                )
+            )
+        else:
+            first[name] = entry
+    return issues
+
+
+def empty_url(options: Mapping[str, Any], path: str) -> list[ConfigIssue]:
+    """An issue at ``path`` when ``options`` holds a ``url`` that is an empty string (or only
+    white space): a file tier would open its root in the working directory."""
+    url = options.get("url")
+    if isinstance(url, str) and not url.strip():
+        return [
+            (
+                path,
+                f"must not be empty, got {url!r}: give the tier's directory or "
+                "s3://bucket/prefix (an empty url would put the tier in the working directory)",
+            )
+        ]
+    return []
+
+
+def _ema_default(name: str) -> Any:
+    return inspect.signature(EmaBackpressure).parameters[name].default
+
+
+def _number(value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise TypeError(f"expected a number, got {type(value).__name__} {value!r}")
+    return float(value)
+
+
+def _integer(value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"expected an integer, got {type(value).__name__} {value!r}")
+    return value
+
+
+@attrs.frozen(kw_only=True)
+class BackpressureConfig:
+    """Cascade admission of one secondary tier: kvhex's ``EmaBackpressure`` (an EMA of put
+    latency in seconds per put job, with hysteresis), whose defaults and checks these are.
+
+    Attributes:
+        alpha: weight of the newest latency in the average, in (0, 1].
+        high_water_s: average put seconds above which cascades to the tier are dropped.
+        low_water_s: average below which they are admitted again (0 <= low <= high).
+        warmup: puts measured before pressure can turn on.
+        probe_every: under pressure, every n-th cascade still goes (to keep measuring).
+    """
+
+    alpha: float = attrs.field(default=_ema_default("alpha"), validator=_validator(_number))
+    high_water_s: float = attrs.field(
+        default=_ema_default("high_water_s"), validator=_validator(_number)
+    )
+    low_water_s: float = attrs.field(
+        default=_ema_default("low_water_s"), validator=_validator(_number)
+    )
+    warmup: int = attrs.field(default=_ema_default("warmup"), validator=_validator(_integer))
+    probe_every: int = attrs.field(
+        default=_ema_default("probe_every"), validator=_validator(_integer)
+    )
+
+    def __attrs_post_init__(self) -> None:
+        self.policy()  # the domain checks the values; each error starts with its key
+
+    def policy(self) -> EmaBackpressure:
+        """A new admission policy with these settings (one per tier and engine)."""
+        return EmaBackpressure(
+            self.alpha, self.high_water_s, self.low_water_s, self.warmup, self.probe_every
+        )
 
 
 @attrs.frozen(kw_only=True)
@@ -132,14 +347,21 @@ class TierConfig:
     Attributes:
         type: the ``kvhex.tiers`` entry point (``fsspec``, ``nixl``, ``memory`` or a third
             party's).
-        name: the tier's ownership name in events, stats and logs (default: ``type``).
+        name: the tier's ownership name in events, stats and logs (default: ``type``);
+            unique among the tiers.
         options: keyword arguments of the tier's factory (besides the host buffer), checked
             against its signature before anything is built.
+        backpressure: drop cascades to this tier while its puts are slow (default: every
+            cascade is submitted).
     """
 
-    type: PluginName = attrs.field(validator=_validator(_plugin_name))
-    name: str | None = attrs.field(default=None, validator=_optional_name)
+    type: PluginName = attrs.field(
+        validator=_validator(_plugin_name),
+        metadata={HINT: "a kvhex.tiers entry point: fsspec, nixl, memory, or a third party's"},
+    )
+    name: str | None = attrs.field(default=None, validator=_validator(_optional(check_tier_name)))
     options: Options = attrs.field(factory=lambda: Options({}), validator=_validator(_options))
+    backpressure: BackpressureConfig | None = None
 
 
 @attrs.frozen(kw_only=True)
@@ -152,7 +374,10 @@ class SinkConfig:
         options: keyword arguments of the sink's factory, checked against its signature.
     """
 
-    type: PluginName = attrs.field(validator=_validator(_plugin_name))
+    type: PluginName = attrs.field(
+        validator=_validator(_plugin_name),
+        metadata={HINT: "a kvhex.sinks entry point: jsonl, zmq, log, memory, or a third party's"},
+    )
     options: Options = attrs.field(factory=lambda: Options({}), validator=_validator(_options))
 
 
@@ -204,7 +429,26 @@ class KvhexConfig:
         run: what ``kvhex run`` replays.
     """
 
-    primary: PrimaryConfig
+    primary: PrimaryConfig = attrs.field(metadata={HINT: "the [primary] table"})
     tiers: tuple[TierConfig, ...] = ()
     sinks: tuple[SinkConfig, ...] = ()
     run: RunConfig = attrs.field(factory=RunConfig)
+
+    def __attrs_post_init__(self) -> None:
+        """Checks across keys, before anything is built.
+
+        Raises:
+            ConfigError: ``store_threshold`` >= 2 with tiers; two tiers of one name (a tier's
+                name defaults to its type); a tier's ``url`` option empty.
+        """
+        issues: list[ConfigIssue] = []
+        if self.tiers and self.primary.store_threshold >= 2:
+            issues.append(("$.primary.store_threshold", STORE_THRESHOLD_WITH_TIERS))
+        issues += duplicate_tier_names(
+            (t.name or t.type, f"$.tiers[{i}]", f"$.tiers[{i}].name")
+            for i, t in enumerate(self.tiers)
+        )
+        for i, tier in enumerate(self.tiers):
+            issues += empty_url(tier.options, f"$.tiers[{i}].options.url")
+        if issues:
+            raise ConfigError(issues)

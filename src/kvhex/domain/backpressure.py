@@ -68,6 +68,12 @@ class EmaBackpressure:
     off when it falls below ``low_water_s`` (hysteresis). Under pressure every
     ``probe_every``-th cascade is still admitted, so the average keeps learning and pressure
     can lift even when nothing else is in flight.
+
+    The constructor's defaults are those of a tier's configured ``backpressure`` table
+    (``kvhex.config.BackpressureConfig``; a tier without one admits every cascade).
+
+    Raises:
+        ValueError: a parameter out of range; the message starts with its name.
     """
 
     __slots__ = (
@@ -92,14 +98,20 @@ class EmaBackpressure:
         warmup: int = 3,
         probe_every: int = 8,
     ) -> None:
+        # each message starts with the parameter at fault: configs report it at that key
         if not 0.0 < alpha <= 1.0:
-            raise ValueError(f"alpha must be in (0, 1], got {alpha!r}")
+            raise ValueError(f"alpha: must be in (0, 1], got {alpha!r}")
+        if high_water_s < 0.0:
+            raise ValueError(f"high_water_s: must be >= 0, got {high_water_s!r}")
         if not 0.0 <= low_water_s <= high_water_s:
             raise ValueError(
-                f"need 0 <= low_water_s <= high_water_s, got {low_water_s!r} > {high_water_s!r}"
+                f"low_water_s: must be between 0 and high_water_s ({high_water_s!r}), "
+                f"got {low_water_s!r}"
             )
-        if warmup < 0 or probe_every < 1:
-            raise ValueError("warmup must be >= 0 and probe_every >= 1")
+        if warmup < 0:
+            raise ValueError(f"warmup: must be >= 0, got {warmup!r}")
+        if probe_every < 1:
+            raise ValueError(f"probe_every: must be >= 1, got {probe_every!r}")
         self.alpha = alpha
         self.high_water_s = high_water_s
         self.low_water_s = low_water_s

@@ -16,6 +16,7 @@ from kvhex.adapters.vllm.compose import (
 )
 from kvhex.adapters.vllm.settings import parse_settings, parse_tier
 from kvhex.bootstrap import build_tier
+from kvhex.config import BackpressureConfig
 from kvhex.domain.tiers import Locality
 from kvhex.errors import ConfigError
 from kvhex.plugins import Registry
@@ -66,8 +67,6 @@ def test_vllms_cpu_and_tiering_keys_keep_their_meaning() -> None:
     )
     assert settings.cpu_bytes_to_use == 4 << 30
     assert (settings.policy, settings.store_threshold, settings.max_tracker_size) == ("arc", 1, 10)
-    assert not settings.offload_prompt_only
-    assert settings.self_describing_kv_events
     fs, obj = settings.tiers
     assert (fs.plugin, fs.name, fs.enable_kv_events, fs.locality) == (
         "fsspec",
@@ -199,7 +198,7 @@ def test_tier_options_are_checked_against_the_tier_before_building(tmp_path: Pat
         build_tier("nope", host, registry, {}, path="$.t")
     with pytest.raises(ConfigError) as err:
         build_tier("memory", host, registry, {"capacity_bytes": 0}, path="$.t")
-    assert err.value.paths == ("$.t",)
+    assert err.value.paths == ("$.t.capacity_bytes",)  # the tier's ValueError names it
     with pytest.raises(ConfigError) as err:
         build_tier("memory", host, registry, {"capacity_bytes": 64, "locality": "far"}, path="$.t")
     assert err.value.paths == ("$.t.locality",)
@@ -252,5 +251,184 @@ def test_an_unknown_policy_is_named_and_nothing_stays_open(tmp_path: Path) -> No
         build_engine(settings, host, registry=Registry.discover(), namespace={}, record_events=True)
     assert err.value.paths == ("$.eviction_policy",)
     tier = parse_tier({"type": "KvhexSecondaryTier", "tier": "nope"}, "$.x")
-    with pytest.raises(ConfigError, match=r"\$\.x: unknown kvhex tier 'nope'"):
+    with pytest.raises(ConfigError, match=r"\$\.x\.tier: unknown kvhex tier 'nope'"):
         build_tier_store(tier, host, Registry.discover(), {})
+
+
+# -- checks at load time: one model, the same paths as TOML ----------------------------------
+def test_missing_keys_say_what_they_hold() -> None:
+    with pytest.raises(ConfigError) as err:
+        parse_settings({"secondary_tiers": [{"type": "fs"}, {"type": "obj", "store_config": {}}]})
+    assert dict(err.value.issues) == {
+        "$.cpu_bytes_to_use": "required key is missing (bytes of host memory for KV chunks)",
+        "$.secondary_tiers[0].root_dir": "required key is missing (the tier's directory)",
+        "$.secondary_tiers[1].store_config.bucket": (
+            "required key is missing (an existing bucket's name)"
+        ),
+        "$.secondary_tiers[1].store_config.endpoint_override": (
+            "required key is missing (the S3 endpoint: host:port, or a URL with its scheme)"
+        ),
+    }
+
+
+def test_empty_roots_urls_and_buckets_are_refused_naming_the_key() -> None:
+    assert _paths(
+        {
+            "cpu_bytes_to_use": 10,
+            "secondary_tiers": [
+                {"type": "fs", "root_dir": ""},
+                {"type": "fs", "root_dir": "  ", "kvhex": {"name": "other"}},
+                {"type": "KvhexSecondaryTier", "tier": "fsspec", "url": ""},
+                {"type": "obj", "store_config": {"bucket": "", "endpoint_override": "h:1"}},
+            ],
+        }
+    ) == [
+        "$.secondary_tiers[0].root_dir",
+        "$.secondary_tiers[1].root_dir",
+        "$.secondary_tiers[3].store_config.bucket",
+    ]
+    with pytest.raises(ConfigError) as err:  # alone, the url's entry is checked as a whole
+        parse_settings(
+            {
+                "cpu_bytes_to_use": 10,
+                "secondary_tiers": [{"type": "KvhexSecondaryTier", "tier": "fsspec", "url": " "}],
+            }
+        )
+    ((path, problem),) = err.value.issues
+    assert path == "$.secondary_tiers[0].url"
+    assert "must not be empty" in problem
+    with pytest.raises(ConfigError, match=r"\$\.x\.url: must not be empty"):
+        parse_tier({"type": "KvhexSecondaryTier", "tier": "fsspec", "url": ""}, "$.x")
+
+
+def test_tiers_that_are_not_a_list_are_refused() -> None:
+    with pytest.raises(ConfigError) as err:
+        parse_settings({"cpu_bytes_to_use": 10, "secondary_tiers": {"type": "fs"}})
+    assert err.value.issues == (("$.secondary_tiers", "expected a list, got a table/object"),)
+
+
+def test_names_repeated_or_invalid_are_named_where_they_were_set() -> None:
+    tiers = [
+        {"type": "KvhexSecondaryTier", "tier": "memory", "name": "kv"},
+        {"type": "KvhexSecondaryTier", "tier": "memory", "name": "kv"},
+        {"type": "fs", "root_dir": "/a", "kvhex": {"name": "kv"}},
+        {"type": "KvhexSecondaryTier", "tier": "memory", "name": 5},
+    ]
+    assert _paths({"cpu_bytes_to_use": 10, "secondary_tiers": tiers}) == [
+        "$.secondary_tiers[1].name",
+        "$.secondary_tiers[2].kvhex.name",
+        "$.secondary_tiers[3].name",
+    ]
+    bad = [{"type": "fs", "root_dir": "/b", "kvhex": {"name": "no spaces"}}]
+    assert _paths({"cpu_bytes_to_use": 10, "secondary_tiers": bad}) == [
+        "$.secondary_tiers[0].kvhex.name"
+    ]
+
+
+def test_tier_backpressure_is_kvhex_s_one_model() -> None:
+    settings = parse_settings(
+        {
+            "cpu_bytes_to_use": 10,
+            "secondary_tiers": [
+                {"type": "fs", "root_dir": "/kv", "kvhex": {"backpressure": {"warmup": 0}}}
+            ],
+        }
+    )
+    assert settings.tiers[0].backpressure == BackpressureConfig(warmup=0)
+    extra = {
+        "cpu_bytes_to_use": 10,
+        "secondary_tiers": [
+            {
+                "type": "fs",
+                "root_dir": "/kv",
+                "kvhex": {"backpressure": {"low_water_s": 2.0, "high_water_s": 1.0}},
+            }
+        ],
+    }
+    with pytest.raises(ConfigError) as err:
+        parse_settings(extra)
+    ((path, problem),) = err.value.issues
+    assert path == "$.secondary_tiers[0].kvhex.backpressure.low_water_s"
+    assert "between 0 and high_water_s (1.0)" in problem
+
+
+# -- checks when the engine is built, before any tier is -----------------------------------
+def test_a_tier_capacity_below_one_chunk_is_refused_before_any_tier_is_built(
+    tmp_path: Path,
+) -> None:
+    first = tmp_path / "first"
+    settings = parse_settings(
+        {
+            "cpu_bytes_to_use": 2 * 4096,
+            "secondary_tiers": [
+                {"type": "fs", "root_dir": str(first)},
+                {"type": "fs", "root_dir": str(tmp_path / "b"), "kvhex": {"capacity_bytes": 4095}},
+            ],
+        }
+    )
+    host = RegionHostBuffer(memoryview(bytearray(2 * 4096)), 2, 4096)
+    with pytest.raises(ConfigError) as err:
+        build_engine(settings, host, registry=Registry.discover(), namespace={}, record_events=True)
+    ((path, problem),) = err.value.issues
+    assert path == "$.secondary_tiers[1].kvhex.capacity_bytes"
+    assert problem.startswith("4095 bytes hold no block of 4096 bytes")
+    assert err.value.source == "kv_connector_extra_config"
+    assert not first.exists()
+
+
+def test_a_tier_that_cannot_start_is_named_at_root_dir(tmp_path: Path) -> None:
+    not_a_directory = tmp_path / "file"
+    not_a_directory.write_text("")
+    settings = parse_settings(
+        {
+            "cpu_bytes_to_use": 2 * 4096,
+            "secondary_tiers": [
+                {"type": "fs", "root_dir": str(tmp_path / "a")},
+                {"type": "fs", "root_dir": str(not_a_directory)},
+            ],
+        }
+    )
+    host = RegionHostBuffer(memoryview(bytearray(2 * 4096)), 2, 4096)
+    with pytest.raises(ConfigError) as err:
+        build_engine(settings, host, registry=Registry.discover(), namespace={}, record_events=True)
+    ((path, problem),) = err.value.issues
+    assert path == "$.secondary_tiers[1].root_dir"
+    assert problem.startswith("kvhex tier 'fsspec' cannot start: cannot use root")
+
+
+@pytest.mark.parametrize(
+    ("case", "key", "words"),
+    [
+        ("bucket", "bucket", "bucket 'kvhex-no-such-bucket' does not exist (NoSuchBucket)"),
+        ("access_key", "access_key", "access key id is not known to the server"),
+        ("secret_key", "secret_key", "wrong secret key (SignatureDoesNotMatch)"),
+    ],
+)
+def test_an_obj_tier_that_cannot_start_names_the_store_config_key(
+    s3_auth_server: Any, case: str, key: str, words: str
+) -> None:
+    pytest.importorskip("nixl_cu12._api", reason="NIXL (nixl==1.5.1) is not installed")
+    admin = s3_auth_server.users["admin"]
+    store = {
+        "bucket": s3_auth_server.bucket,
+        "endpoint_override": s3_auth_server.endpoint,
+        "access_key": admin["key"],
+        "secret_key": admin["secret"],
+    }
+    store[case] = {
+        "bucket": "kvhex-no-such-bucket",
+        "access_key": "AKIAKVHEXUNKNOWNKEY1",
+        "secret_key": "kvhex-wrong-secret-value",
+    }[case]
+    settings = parse_settings(
+        {"cpu_bytes_to_use": 2 * 4096, "secondary_tiers": [{"type": "obj", "store_config": store}]}
+    )
+    host = RegionHostBuffer(memoryview(bytearray(2 * 4096)), 2, 4096)
+    with pytest.raises(ConfigError) as err:
+        build_engine(settings, host, registry=Registry.discover(), namespace={}, record_events=True)
+    ((path, problem),) = err.value.issues
+    assert path == f"$.secondary_tiers[0].store_config.{key}"
+    assert problem.startswith("kvhex tier 'nixl' cannot start")
+    assert words in problem
+    for secret in (store["access_key"], store["secret_key"], admin["secret"]):
+        assert secret not in str(err.value)

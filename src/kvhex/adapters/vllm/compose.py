@@ -17,7 +17,7 @@ import structlog
 
 from kvhex.adapters.vllm.settings import SOURCE, TierSettings, VllmSettings
 from kvhex.bootstrap import TierSpec, assemble_engine, build_policy, build_tier, tier_options
-from kvhex.domain.backpressure import AdmissionPolicy, AlwaysAdmit, EmaBackpressure
+from kvhex.domain.backpressure import AdmissionPolicy, AlwaysAdmit
 from kvhex.domain.geometry import KvGeometry
 from kvhex.domain.primary import PrimaryTier
 from kvhex.domain.translate import EventTranslator
@@ -110,11 +110,12 @@ def build_tier_store(
     and kvhex's block namespace when the plugin takes them, and a default capacity.
 
     Raises:
-        ConfigError: naming the tier entry or its option (see ``bootstrap.build_tier``).
-        TierError: the tier cannot run as configured (e.g. an unwritable root).
+        ConfigError: naming the tier entry or the key its problem came from, a tier that
+            cannot start included (see ``bootstrap.build_tier``).
+        TierError: the tier failed otherwise while it started.
     """
     options = _tier_options(tier, registry, namespace)
-    return build_tier(tier.plugin, host, registry, options, path=tier.path, source=SOURCE)
+    return build_tier(tier.plugin, host, registry, options, path=tier.paths, source=SOURCE)
 
 
 def _tier_options(
@@ -145,8 +146,10 @@ def build_engine(
     Returns the engine and its secondary tiers (in configured order).
 
     Raises:
-        ConfigError: the policy or a tier is misconfigured (paths name the keys).
-        TierError: a tier cannot run.
+        ConfigError: the host budget holds no chunk, the policy or a tier is misconfigured or
+            a tier cannot start (paths name the keys); every tier is checked before the first
+            is built.
+        TierError: a tier failed otherwise while it started.
     """
     if host.num_slots < 1:
         raise ConfigError(
@@ -159,7 +162,7 @@ def build_engine(
             SOURCE,
         )
     try:
-        policy = build_policy(settings.policy, host.num_slots, registry, path="$.eviction_policy")
+        policy = build_policy(settings.policy, host.num_slots, registry, path=settings.policy_path)
     except ConfigError as exc:
         raise ConfigError(exc.issues, SOURCE) from exc
     primary = PrimaryTier(
@@ -174,7 +177,7 @@ def build_engine(
             tier.plugin,
             tier.name,
             _tier_options(tier, registry, namespace),
-            tier.path,
+            tier.paths,
             _admission(tier),
         )
         for tier in settings.tiers
@@ -190,9 +193,4 @@ def build_engine(
 
 
 def _admission(tier: TierSettings) -> Callable[[], AdmissionPolicy]:
-    bp = tier.backpressure
-    if bp is None:
-        return AlwaysAdmit
-    return lambda: EmaBackpressure(
-        bp.alpha, bp.high_water_s, bp.low_water_s, bp.warmup, bp.probe_every
-    )
+    return AlwaysAdmit if tier.backpressure is None else tier.backpressure.policy

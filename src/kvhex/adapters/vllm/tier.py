@@ -32,7 +32,7 @@ from vllm.v1.kv_offload.tiering import base as vtier
 
 from kvhex.adapters.vllm.compose import RegionHostBuffer, build_tier_store
 from kvhex.adapters.vllm.convert import LOOKUP, context_of, offloading_events, policy_of
-from kvhex.adapters.vllm.settings import KVHEX_TIER_TYPE, parse_tier
+from kvhex.adapters.vllm.settings import KVHEX_TIER_TYPE, SOURCE, parse_tier
 from kvhex.domain.jobs import JobId, JobKind, JobResult, TierJob
 from kvhex.domain.keys import OffloadKey
 from kvhex.domain.tiers import OffloadPolicy
@@ -85,7 +85,7 @@ class KvhexSecondaryTier(vtier.SecondaryTierManager):
                 "inside vLLM's TieringOffloadingSpec admission is vLLM's: set 'backpressure' "
                 "in the tier entry"
             )
-            raise ConfigError([(f"{path}.kvhex.backpressure", why)], "kv_connector_extra_config")
+            raise ConfigError([(f"{path}.kvhex.backpressure", why)], SOURCE)
         num_chunks = primary_kv_view.shape[0] if primary_kv_view.shape else 0
         host = RegionHostBuffer(primary_kv_view, num_chunks, self.block_size_bytes)
         from kvhex.adapters.vllm.spec import namespace_of
