@@ -111,8 +111,18 @@ class OffloadEngine:
         return raw
 
     def set_geometry(self, geometry: KvGeometry | None) -> None:
-        """Describe full events with ``geometry`` (the model's KV groups) from now on."""
+        """Describe full events with ``geometry`` (the model's KV groups) from now on; load
+        decisions count the tokens a key saves from it."""
         self._pipeline.translator.geometry = geometry
+        if geometry is not None and geometry.groups:
+            groups = geometry.groups
+            chunk_tokens = sum(g.tokens_per_block * g.blocks_per_chunk for g in groups)
+            self._manager.loading.tokens_per_key = chunk_tokens / len(groups) ** 2
+
+    def observe_prefill(self, tokens: int, seconds: float) -> None:
+        """The host engine computed ``tokens`` tokens in ``seconds`` (one step): the prefill
+        speed load decisions compare loads with."""
+        self._manager.observe_prefill(tokens, seconds)
 
     @property
     def has_secondary_tiers(self) -> bool:

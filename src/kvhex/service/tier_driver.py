@@ -25,6 +25,7 @@ from collections.abc import Callable, Sequence
 import attrs
 import structlog
 
+from kvhex.domain.cost import TierCost
 from kvhex.domain.histogram import Histogram
 from kvhex.domain.jobs import JobId, JobKind, JobResult, TierJob
 from kvhex.domain.keys import OffloadKey
@@ -133,6 +134,7 @@ class TierDriver:
         "_probes",
         "_stats",
         "_store",
+        "get_cost",
         "on_job",
     )
 
@@ -151,6 +153,8 @@ class TierDriver:
         self._probes = ProbeCache()
         self._missing: set[OffloadKey] = set()
         self.on_job: Callable[[TierJob, JobResult, float], None] | None = None
+        self.get_cost = TierCost()
+        """The tier's gets fitted (latency and throughput, submission to result)."""
         """Called with each finished put or get, its result and its latency (seconds from
         submission to the result reaching this driver): the vLLM adapter's metrics."""
 
@@ -280,7 +284,12 @@ class TierDriver:
         if result.seconds is not None:
             self._stats.add_busy(job.kind, submitted, submitted + result.seconds)
         latency = time.perf_counter() - submitted
-        (self._stats.put_latency if job.kind is _PUT else self._stats.get_latency).observe(latency)
+        if job.kind is _PUT:
+            self._stats.put_latency.observe(latency)
+        else:
+            self._stats.get_latency.observe(latency)
+            if result.success:
+                self.get_cost.observe(result.nbytes, latency)
         if self.on_job is not None:
             self.on_job(job, result, latency)
         if job.kind is _PUT:

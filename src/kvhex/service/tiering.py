@@ -29,6 +29,7 @@ import attrs
 import structlog
 
 from kvhex.domain.backpressure import AdmissionPolicy, AlwaysAdmit
+from kvhex.domain.cost import LoadMode
 from kvhex.domain.events import Removed, Stored, TierEvent
 from kvhex.domain.jobs import JobId, JobKind, JobResult, TierJob
 from kvhex.domain.keys import OffloadKey
@@ -38,6 +39,7 @@ from kvhex.domain.tiers import LookupResult, OffloadPolicy, TierIdentity
 from kvhex.errors import TierError
 from kvhex.ports.host_buffer import HostBuffer
 from kvhex.ports.tier_store import Occupancy, TierStore
+from kvhex.service.loading import LoadDecider, LoadStats, Scan
 from kvhex.service.tier_driver import TierDriver, TierStats, loaded_keys
 
 __all__ = ["TieringManager", "TieringStats"]
@@ -60,6 +62,10 @@ class TieringStats:
     """Lookups asked (each key of each lookup call)."""
     host_hits: int = 0
     """Lookups answered ``HIT`` from host memory."""
+    loading: LoadStats = attrs.field(factory=LoadStats)
+    """Load-or-recompute decisions."""
+    prefill_tokens_per_s: float | None = None
+    """The engine's prefill speed the decisions use (``None``: not known yet)."""
 
 
 @attrs.define(eq=False)
@@ -93,6 +99,7 @@ class TieringManager:
         host: HostBuffer | None = None,
         admission: Callable[[int], AdmissionPolicy] | None = None,
         names: Sequence[str] | None = None,
+        loading: LoadDecider | None = None,
     ) -> None:
         """Args:
         primary: the host tier (its store threshold must be 1 when tiers exist: promotions
@@ -101,6 +108,8 @@ class TieringManager:
         host: the host buffer the tiers read and write; kept alive until every tier closed.
         admission: builds the admission policy of tier ``i`` (default: always admit).
         names: tier names for stats and logs (default: each tier's ownership or ``tier{i}``).
+        loading: load-or-recompute decisions for secondary-tier hits (default: ``OFF``,
+            every hit is promoted at its first lookup).
         """
         if tiers and primary.store_threshold > 1:
             raise ValueError("store_threshold > 1 is not supported with secondary tiers")
@@ -114,6 +123,8 @@ class TieringManager:
             driver = TierDriver(store, name, probe_ids=self._new_job_id)
             self._tiers.append(_Tier(i, store, driver, driver.stats, make_admission(i)))
         self._origins: dict[ReqContext, dict[OffloadKey, _Tier]] = {}
+        self._loading = loading or LoadDecider(LoadMode.OFF)
+        self._scanning = self._loading.active and bool(self._tiers)
         self._lookups = 0
         self._host_hits = 0
         self._requests: dict[ReqContext, _Request] = {}
@@ -137,6 +148,8 @@ class TieringManager:
         except TypeError:
             return self._primary.lookup(key)  # raises the typed InvalidKeyError
         if slot is not None:
+            if self._scanning and self._loading.scans:
+                self._scan_host(key, ctx)
             if self._refs[slot] < 0:
                 return _PENDING
             # a promotion later this step must not evict a chunk already answered HIT
@@ -153,10 +166,52 @@ class TieringManager:
                 continue
             answer = tier.driver.lookup(key, ctx)
             if answer is _HIT:
-                return self._start_promotion(tier, key, ctx)
+                promote = self._scan_tier if self._scanning else self._start_promotion
+                return promote(tier, key, ctx)
             if answer is _RETRY:
                 retry = True
+        if self._scanning and (scan := self._loading.scans.get(ctx)) is not None:
+            if retry:
+                scan.complete = False
+            else:
+                scan.closed = True
         return _RETRY if retry else _MISS
+
+    def _scan_host(self, key: OffloadKey, ctx: ReqContext) -> None:
+        if (scan := self._loading.scans.get(ctx)) is not None:
+            scan.add(key, None)
+
+    def _scan_tier(self, tier: _Tier, key: OffloadKey, ctx: ReqContext) -> LookupResult:
+        """A secondary hit with load decisions on: as decided for this request, or joined to
+        its scan (``RETRY``) to be planned at step end."""
+        decided = self._loading.decided.get(ctx)
+        if decided is not None and key in decided:
+            return self._start_promotion(tier, key, ctx) if decided[key] else _MISS
+        scans = self._loading.scans
+        if (scan := scans.get(ctx)) is None:
+            scan = scans[ctx] = Scan()
+        scan.add(key, tier.index)
+        return _RETRY
+
+    def _plan_scans(self) -> None:
+        """Step end: plan every complete scan; promote what it loads, refuse the rest."""
+        slot_bytes = self._host.slot_bytes if self._host is not None else 0
+        estimates = [
+            t.driver.get_cost.estimate(queued_bytes=t.stats.keys_in_flight_get * slot_bytes)
+            for t in self._tiers
+        ]
+        loading = self._loading
+        for ctx, scan in loading.scans.items():
+            if not scan.complete:
+                continue  # a tier is still probing part of it: the next step's scan
+            cut = loading.plan(scan, estimates, slot_bytes)
+            decided = loading.decided.setdefault(ctx, {})
+            for i, (key, index) in enumerate(zip(scan.keys, scan.tiers, strict=True)):
+                if index is not None:
+                    decided[key] = i < cut
+                    if i < cut:
+                        self._start_promotion(self._tiers[index], key, ctx)
+        loading.scans.clear()
 
     def _start_promotion(self, tier: _Tier, key: OffloadKey, ctx: ReqContext) -> LookupResult:
         plan = self._primary.prepare_store([key], ctx, protect=self._hits_this_step)
@@ -299,6 +354,7 @@ class TieringManager:
             return  # its promotions go out at step end; then tiers hear "finished"
         del self._requests[ctx]
         self._origins.pop(ctx, None)
+        self._loading.forget(ctx)
         for tier in self._tiers:
             tier.driver.on_request_finished(ctx)
 
@@ -309,6 +365,8 @@ class TieringManager:
         if not self._polled:
             self._poll()
         self._polled = False
+        if self._loading.scans:
+            self._plan_scans()
         self._hits_this_step.clear()
         for tier in self._tiers:
             for ctx, (keys, slots) in tier.promotions.items():
@@ -378,6 +436,7 @@ class TieringManager:
         device_busy = host.pending - reserved + host.pinned
         self._hits_this_step.clear()
         self._origins.clear()
+        self._loading.clear()
         for tier in self._tiers:
             tier.promotions.clear()
             tier.driver.clear()
@@ -429,6 +488,15 @@ class TieringManager:
         return tuple(t.admission for t in self._tiers)
 
     @property
+    def loading(self) -> LoadDecider:
+        """The load-or-recompute decisions (mode, prefill speed, tokens per key)."""
+        return self._loading
+
+    def observe_prefill(self, tokens: int, seconds: float) -> None:
+        """The host engine computed ``tokens`` tokens in ``seconds`` (one step)."""
+        self._loading.prefill.observe(tokens, seconds)
+
+    @property
     def tier_stores(self) -> tuple[TierStore, ...]:
         """The secondary tiers, in lookup order (the same order as ``stats().tiers``)."""
         return tuple(t.store for t in self._tiers)
@@ -449,6 +517,8 @@ class TieringManager:
             in_flight,
             self._lookups,
             self._host_hits,
+            self._loading.snapshot(),
+            self._loading.prefill.tokens_per_s,
         )
 
 

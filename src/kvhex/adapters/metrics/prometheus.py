@@ -137,6 +137,25 @@ METRICS: tuple[tuple[str, str, tuple[str, ...], str], ...] = (
     ),
     ("kvhex_requests_active", "gauge", (), "Requests the engine is tracking."),
     (
+        "kvhex_load_decisions",
+        "counter",
+        ("decision",),
+        "Load-or-recompute plans for prefixes held by secondary tiers, by decision "
+        "(load_all, load_part, recompute; explore: loaded to re-measure a tier).",
+    ),
+    (
+        "kvhex_load_chunks",
+        "counter",
+        ("decision",),
+        "Secondary-tier chunks those plans chose to load or to leave to recompute.",
+    ),
+    (
+        "kvhex_prefill_tokens_per_second",
+        "gauge",
+        (),
+        "The engine's prefill speed load decisions use (measured or configured).",
+    ),
+    (
         "kvhex_events_published",
         "counter",
         ("type", "medium"),
@@ -216,6 +235,15 @@ class PrometheusCollector(Collector):
                 add("kvhex_tier_capacity_bytes", t, tier.capacity_bytes)
         add("kvhex_host_store_allocation_failures", [], stats.primary.store_allocation_failures)
         add("kvhex_requests_active", [], stats.active_requests)
+        loading = stats.loading
+        add("kvhex_load_decisions", ["load_all"], loading.loaded_all)
+        add("kvhex_load_decisions", ["load_part"], loading.loaded_part)
+        add("kvhex_load_decisions", ["recompute"], loading.recomputed)
+        add("kvhex_load_decisions", ["explore"], loading.explored)
+        add("kvhex_load_chunks", ["load"], loading.chunks_loaded)
+        add("kvhex_load_chunks", ["recompute"], loading.chunks_recomputed)
+        if stats.prefill_tokens_per_s is not None:
+            add("kvhex_prefill_tokens_per_second", [], stats.prefill_tokens_per_s)
         pipeline = self._engine.pipeline
         for (kind, medium), count in sorted(dict(pipeline.events_published).items()):
             add("kvhex_events_published", [kind, medium], count)

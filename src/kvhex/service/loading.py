@@ -1,0 +1,173 @@
+"""``LoadDecider``: per request, load the matched prefix or recompute it (``domain.cost``).
+
+The scheduler asks for a request's chunks one by one, in prefix order, and asks again every
+step while any answer defers. With a mode other than ``OFF``, a chunk a secondary tier holds
+is not promoted at its first lookup: the lookup answers ``RETRY`` and the chunk joins the
+request's *scan* for this step (the chunks from the first such hit on, host ones included,
+until the scan meets a miss). At step end every complete scan (no tier still probing) gets a
+plan: the chunks before its cut are promoted (in the same step end, so nothing waits longer
+than it did), the ones from the cut on answer ``MISS`` to that request from then on, so the
+engine recomputes them.
+
+Estimates: each tier's ``TierCost`` (its driver fits every finished get), the engine's
+``PrefillRate`` (measured by the host engine's adapter, or configured). A tier judged too
+slow would never be measured again, so every ``explore_every``-th plan that recomputes a
+tier's chunks loads them instead (counted as ``explored``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import attrs
+
+from kvhex.domain.cost import LoadMode, LoadPlan, PrefillRate, TierEstimate, plan_fixed, plan_load
+from kvhex.domain.keys import OffloadKey
+from kvhex.domain.request import ReqContext
+
+__all__ = ["LoadDecider", "LoadStats", "Scan"]
+
+
+@attrs.define
+class LoadStats:
+    """Cumulative decisions (one per complete scan that held secondary-tier chunks)."""
+
+    loaded_all: int = 0
+    """Plans that loaded every matched chunk."""
+    loaded_part: int = 0
+    """Plans that loaded a leading part and recomputed the rest."""
+    recomputed: int = 0
+    """Plans that loaded no secondary-tier chunk."""
+    explored: int = 0
+    """Plans that loaded although the estimate said recompute (to re-measure the tier)."""
+    chunks_loaded: int = 0
+    """Secondary-tier chunks chosen for loading."""
+    chunks_recomputed: int = 0
+    """Secondary-tier chunks left to the engine to recompute."""
+    last_load_s: float = 0.0
+    """The latest plan's estimated load seconds."""
+    last_recompute_s: float = 0.0
+    """The latest plan's estimated recompute seconds for the same chunks."""
+
+
+@attrs.define(eq=False)
+class Scan:
+    """One request's lookups this step, from its first secondary-tier hit on."""
+
+    keys: list[OffloadKey] = attrs.field(factory=list)
+    tiers: list[int | None] = attrs.field(factory=list)
+    """The tier holding each key (``None``: host memory)."""
+    complete: bool = True
+    """False when a tier was still probing a key: no plan this step."""
+    closed: bool = False
+    """A miss ended the prefix: later lookups this step are another pass."""
+
+    def add(self, key: OffloadKey, tier: int | None) -> None:
+        """The next key of the prefix (a key seen already starts another pass: ignored)."""
+        if not self.closed and key not in self.keys:
+            self.keys.append(key)
+            self.tiers.append(tier)
+
+
+class LoadDecider:
+    """Collects scans during a step and plans them at its end."""
+
+    def __init__(
+        self,
+        mode: LoadMode,
+        *,
+        min_tokens: int = 0,
+        prefill: PrefillRate | None = None,
+        tokens_per_key: float | None = None,
+        explore_every: int = 64,
+    ) -> None:
+        """Args:
+        mode: ``OFF`` (promote every hit at once), ``AUTO`` or ``FIXED``.
+        min_tokens: ``FIXED``: the tokens a request's secondary-tier chunks must hold to be
+            loaded.
+        prefill: the engine's prefill speed (measured unless configured).
+        tokens_per_key: tokens one offload key saves from recomputing (the chunk's tokens
+            divided by the KV groups sharing them); unknown (``None``): plans load all.
+        explore_every: ``AUTO``: every n-th plan that recomputes a tier's chunks loads them.
+        """
+        if explore_every < 1:
+            raise ValueError(f"explore_every must be at least 1, got {explore_every}")
+        self.mode = mode
+        self.min_tokens = min_tokens
+        self.prefill = prefill or PrefillRate()
+        self.tokens_per_key = tokens_per_key
+        self.explore_every = explore_every
+        self.stats = LoadStats()
+        self.scans: dict[ReqContext, Scan] = {}
+        self.decided: dict[ReqContext, dict[OffloadKey, bool]] = {}
+        self._recomputes: dict[int, int] = {}
+
+    @property
+    def active(self) -> bool:
+        """Whether lookups go through scans (any mode but ``OFF``)."""
+        return self.mode is not LoadMode.OFF
+
+    def plan(
+        self,
+        scan: Scan,
+        estimates: Sequence[TierEstimate | None],
+        bytes_per_key: int,
+    ) -> int:
+        """How many leading keys of ``scan`` to load (the rest are recomputed); counts it."""
+        tokens = self.tokens_per_key
+        if self.mode is LoadMode.FIXED:
+            cut = plan_fixed(scan.tiers, tokens_per_chunk=tokens or 0.0, min_tokens=self.min_tokens)
+            plan = LoadPlan(cut, 0.0, 0.0, len(scan.tiers))
+        elif tokens is None:
+            plan = LoadPlan(len(scan.tiers), 0.0, 0.0, len(scan.tiers))
+        else:
+            plan = plan_load(
+                scan.tiers,
+                estimates,
+                bytes_per_chunk=bytes_per_key,
+                tokens_per_chunk=tokens,
+                tokens_per_s=self.prefill.tokens_per_s,
+            )
+        cut = plan.load_chunks
+        left = {t for t in scan.tiers[cut:] if t is not None}
+        if self.mode is LoadMode.AUTO and left and self._explore(left):
+            cut = len(scan.tiers)
+            self.stats.explored += 1
+        self._count(scan.tiers, cut, plan)
+        return cut
+
+    def _explore(self, tiers: set[int]) -> bool:
+        due = False
+        for tier in tiers:
+            count = self._recomputes.get(tier, 0) + 1
+            self._recomputes[tier] = count
+            due |= count % self.explore_every == 0
+        return due
+
+    def _count(self, tiers: Sequence[int | None], cut: int, plan: LoadPlan) -> None:
+        stats = self.stats
+        loaded = sum(1 for t in tiers[:cut] if t is not None)
+        left = sum(1 for t in tiers[cut:] if t is not None)
+        stats.chunks_loaded += loaded
+        stats.chunks_recomputed += left
+        if not left:
+            stats.loaded_all += 1
+        elif loaded:
+            stats.loaded_part += 1
+        else:
+            stats.recomputed += 1
+        stats.last_load_s, stats.last_recompute_s = plan.load_s, plan.recompute_s
+
+    def forget(self, ctx: ReqContext) -> None:
+        """``ctx`` is done: drop its scan and decisions."""
+        self.scans.pop(ctx, None)
+        self.decided.pop(ctx, None)
+
+    def clear(self) -> None:
+        """A reset: every scan and decision goes (the chunks they named may be gone)."""
+        self.scans.clear()
+        self.decided.clear()
+
+    def snapshot(self) -> LoadStats:
+        """A copy of the counters."""
+        return attrs.evolve(self.stats)
