@@ -333,8 +333,9 @@ class KvhexOffloadingSpec(TieringOffloadingSpec):
 
         Raises:
             ConfigError: the host memory holds no chunk, the policy or a tier is unknown or
-                misconfigured.
-            TierError: a tier cannot run (e.g. an unwritable root).
+                misconfigured, or a tier cannot start (an unwritable root, an object store
+                that is down or refuses the credentials), each at the key to correct.
+            TierError: a tier failed otherwise while it started.
         """
         if self._kvhex_manager is None:
             self._kvhex_manager = self._build_manager()

@@ -71,8 +71,8 @@ class KvhexSecondaryTier(vtier.SecondaryTierManager):
         options: the kvhex tier's own options (e.g. ``url``, ``capacity_bytes``).
 
         Raises:
-            ConfigError: a bad entry (the path names the key).
-            TierError: the tier cannot run.
+            ConfigError: a bad entry, or a tier that cannot start (the path names the key).
+            TierError: the tier failed otherwise while it started.
         """
         super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
         entry: dict[str, Any] = {"type": KVHEX_TIER_TYPE, "tier": tier, **options}
