@@ -14,7 +14,7 @@ import pytest
 import structlog
 import zmq
 
-from kvhex.adapters.events.jsonl import JsonlEventSink
+from kvhex.adapters.events.jsonl import JsonlEventSink, read_batches
 from kvhex.adapters.events.log import StructlogEventSink
 from kvhex.adapters.events.wire import decode_batch
 from kvhex.adapters.events.zmq import ZmqEventSink, offset_endpoint
@@ -100,16 +100,18 @@ def test_zmq_ports_are_offset_by_data_parallel_rank() -> None:
         sink.close()
 
 
-def test_jsonl_sink_appends_one_owner_only_line_per_batch(tmp_path: Path) -> None:
+def test_jsonl_sink_writes_one_owner_only_line_per_batch(tmp_path: Path) -> None:
     path = tmp_path / "events.jsonl"
-    sink = JsonlEventSink(path)
+    sink = JsonlEventSink(path, data_parallel_rank=3)
     sink.publish(batch(1, rank=2))
     sink.publish(EventBatch(5.0, [AllBlocksCleared()]))
     sink.close()
     sink.close()
     assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
     lines = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [line["seq"] for line in lines] == [0, 1]
     assert lines[0]["data_parallel_rank"] == 2
+    assert lines[1]["data_parallel_rank"] == 3  # the sink's own, as on ZMQ
     assert lines[0]["events"][0]["type"] == "BlockStored"
     assert lines[0]["events"][0]["block_hashes"] == ["01" * 32]
     assert lines[1]["events"] == [{"type": "AllBlocksCleared"}]
@@ -117,9 +119,76 @@ def test_jsonl_sink_appends_one_owner_only_line_per_batch(tmp_path: Path) -> Non
         sink.publish(batch(2))
 
 
+def test_jsonl_sink_replaces_the_file_unless_told_to_append(tmp_path: Path) -> None:
+    path = tmp_path / "events.jsonl"
+    path.write_text('{"old": "line"}\n' * 5)
+    first = JsonlEventSink(path)
+    first.publish(batch(1))
+    first.close()
+    assert [json.loads(line)["seq"] for line in path.read_text().splitlines()] == [0]
+    second = JsonlEventSink(path, append=True)
+    second.publish(batch(2))
+    second.publish(batch(3))
+    second.close()
+    # each writer numbers from 0: a reader of an appended file sees where each began
+    assert [json.loads(line)["seq"] for line in path.read_text().splitlines()] == [0, 0, 1]
+
+
+def test_jsonl_and_zmq_stamp_the_same_data_parallel_rank(tmp_path: Path) -> None:
+    path = tmp_path / "events.jsonl"
+    jsonl = JsonlEventSink(path, data_parallel_rank=2)
+    zmq_sink = ZmqEventSink("tcp://127.0.0.1:*", "tcp://127.0.0.1:*", data_parallel_rank=2)
+    dealer = zmq.Context.instance().socket(zmq.DEALER)
+    try:
+        for sink in (jsonl, zmq_sink):
+            sink.publish(batch(1))  # no rank: the sink's
+            sink.publish(batch(2, rank=0))  # its own, kept
+        jsonl.close()
+        dealer.connect(str(zmq_sink.replay_endpoint))
+        deadline = time.monotonic() + 10
+        wired: list[int | None] = []
+        while len(wired) < 2:
+            assert time.monotonic() < deadline, "the replay never held both batches"
+            wired = []
+            dealer.send_multipart((b"", (0).to_bytes(8, "big")))
+            while True:
+                frames = recv(dealer)
+                if frames[2] == (-1).to_bytes(8, "big", signed=True):
+                    break
+                wired.append(decode_batch(frames[3]).data_parallel_rank)
+    finally:
+        dealer.close(linger=0)
+        zmq_sink.close()
+    written = [json.loads(line)["data_parallel_rank"] for line in path.read_text().splitlines()]
+    assert written == wired == [2, 0]
+    read = [b.data_parallel_rank for _, _, b in read_batches(path) if not isinstance(b, str)]
+    assert read == [2, 0]
+
+
+def test_jsonl_lines_read_back_as_wire_batches(tmp_path: Path) -> None:
+    path = tmp_path / "events.jsonl"
+    sink = JsonlEventSink(path)
+    sink.publish(batch(7, rank=1))
+    sink.close()
+    with path.open("a") as more:
+        more.write("\n{broken\n")
+    (number, seq, first), (bad_number, bad_seq, bad) = read_batches(path)
+    assert (number, seq) == (1, 0)
+    assert not isinstance(first, str)
+    assert first.ts == 1007.0
+    stored, removed = first.events
+    assert stored.block_hashes == [bytes([7]) * 32]  # hex back to bytes
+    assert stored.token_ids == [7, 8]
+    assert removed.block_hashes == [bytes([7]) * 32]
+    assert (bad_number, bad_seq) == (3, 1)
+    assert isinstance(bad, str)
+
+
 def test_jsonl_sink_refuses_an_unwritable_path(tmp_path: Path) -> None:
-    with pytest.raises(ConfigError, match="cannot open"):
-        JsonlEventSink(tmp_path / "missing-dir" / "events.jsonl")
+    missing = tmp_path / "missing-dir" / "events.jsonl"
+    with pytest.raises(ConfigError, match="cannot write it: No such file") as caught:
+        JsonlEventSink(missing)
+    assert str(missing) in str(caught.value)
 
 
 def test_log_sink_summarizes_without_token_ids() -> None:

@@ -6,8 +6,13 @@ batches sends the first sequence it wants (8-byte big-endian) to the replay sock
 talking to our ROUTER) and receives every buffered ``(topic, sequence, payload)`` from there
 on, then an end marker ``(b"", -1 as 8-byte signed big-endian, b"")``. The endpoint's TCP port
 is offset by the data-parallel rank (``inproc`` endpoints get a ``_dp{rank}`` suffix).
-Endpoints containing ``*`` or ``::``, and ``ipc://``/``inproc://`` ones, are bound; others are
-connected to. Sending happens on a thread of the sink's own; ``publish`` only enqueues.
+
+Bind or connect is said, not guessed: the PUB socket binds ``endpoint`` (``tcp://127.0.0.1:N``
+is reachable from this machine only, ``tcp://*:N`` from everywhere) unless ``connect=True``
+(a broker, or ``kvhex events --bind``); the replay socket always binds. vLLM guesses from the
+address instead (``*`` binds, a host name connects), which made two programs that both
+connect look like a quiet stream. Sending happens on a thread of the sink's own; ``publish``
+only enqueues; ``close`` sends what is queued and gives subscribers up to a second to get it.
 """
 
 from __future__ import annotations
@@ -21,8 +26,10 @@ from collections import deque
 import structlog
 import zmq
 
+from kvhex.adapters.events.endpoints import endpoint_problem, refusal
 from kvhex.adapters.events.wire import encode_batch
 from kvhex.domain.events import EventBatch
+from kvhex.errors import ConfigError
 
 __all__ = ["ZmqEventSink", "offset_endpoint"]
 
@@ -45,21 +52,37 @@ def offset_endpoint(endpoint: str | None, rank: int) -> str | None:
     raise ValueError(f"endpoint {endpoint!r} must start with tcp:// or inproc://")
 
 
-def _binds(endpoint: str) -> bool:
-    return "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://"))
+def _offset(endpoint: str, rank: int, *, bind: bool) -> tuple[str | None, str]:
+    """``endpoint`` offset by ``rank``, and what is wrong with the result (``None``: fine)."""
+    try:
+        moved = offset_endpoint(endpoint, rank)
+    except ValueError:
+        return f"data-parallel rank {rank} needs a tcp:// or inproc:// endpoint", endpoint
+    assert moved is not None  # a non-empty endpoint stays one
+    problem = endpoint_problem(moved, bind=bind)
+    if problem is not None:
+        problem = f"offset by data-parallel rank {rank} to {moved!r}: {problem}"
+    return problem, moved
 
 
 class ZmqEventSink:
     """Publishes batches on a ZMQ PUB socket (and serves replays), like vLLM's publisher.
 
     Args:
-        endpoint: PUB address, e.g. ``tcp://*:5557`` (bind) or ``tcp://host:5557`` (connect).
+        endpoint: the PUB address, bound: ``tcp://127.0.0.1:5557`` (this machine only),
+            ``tcp://*:5557`` (every interface), ``tcp://127.0.0.1:*`` (any free port: see
+            :attr:`endpoint`), ``ipc://PATH``.
         replay_endpoint: optional ROUTER address for replay requests (always bound).
+        connect: connect the PUB socket to ``endpoint`` instead of binding it (the
+            subscriber or a broker binds).
         data_parallel_rank: offsets the ports; stamped on batches that carry none.
         buffer_steps: batches kept for replay.
         hwm: the PUB socket's high-water mark.
         max_queue_size: batches queued for the sender thread before ``publish`` blocks.
         topic: the first frame of every message.
+
+    Raises:
+        ConfigError: an endpoint that cannot be used, naming the option and what would work.
     """
 
     SHUTDOWN_TIMEOUT_S = 1.0
@@ -69,6 +92,7 @@ class ZmqEventSink:
         endpoint: str = "tcp://*:5557",
         replay_endpoint: str | None = None,
         *,
+        connect: bool = False,
         data_parallel_rank: int = 0,
         buffer_steps: int = 10_000,
         hwm: int = 100_000,
@@ -76,7 +100,27 @@ class ZmqEventSink:
         topic: str = "",
     ) -> None:
         self.data_parallel_rank = data_parallel_rank
-        self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
+        wanted = {"endpoint": (endpoint, not connect)}
+        if replay_endpoint is not None:
+            wanted["replay_endpoint"] = (replay_endpoint, True)
+        resolved: dict[str, str] = {}
+        issues = []
+        for option, (value, binds) in wanted.items():
+            problem = endpoint_problem(value, bind=binds)
+            if problem is None:
+                problem, resolved[option] = _offset(value, data_parallel_rank, bind=binds)
+            if problem is not None:
+                issues.append((option, f"{option} {value!r}: {problem}"))
+        if issues:
+            raise ConfigError(issues)
+        pub_at, replay_at = resolved["endpoint"], resolved.get("replay_endpoint")
+        # in-process subscribers share the process-wide context; anything else gets a context
+        # of its own, so close can wait for the last messages to leave (ctx.term)
+        inproc = pub_at.startswith("inproc://")
+        self._own_ctx = not inproc
+        self._ctx: zmq.Context[zmq.Socket[bytes]] = (
+            zmq.Context.instance() if inproc else zmq.Context()
+        )
         self._queue: queue.Queue[EventBatch | None] = queue.Queue(maxsize=max_queue_size)
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_steps)
         self._topic = topic.encode("utf-8")
@@ -84,25 +128,38 @@ class ZmqEventSink:
         self._pub = self._ctx.socket(zmq.PUB)
         self._pub.set_hwm(hwm)
         self._replay: zmq.Socket[bytes] | None = None
-        resolved = offset_endpoint(endpoint, data_parallel_rank)
-        assert resolved is not None
+        option, at = "endpoint", pub_at
         try:
-            if _binds(resolved):
-                self._pub.bind(resolved)
-                resolved = self._pub.getsockopt_string(zmq.LAST_ENDPOINT)
+            if "[" in pub_at:
+                self._pub.setsockopt(zmq.IPV6, 1)
+            if connect:
+                self._pub.connect(pub_at)
             else:
-                self._pub.connect(resolved)
-            replay = offset_endpoint(replay_endpoint, data_parallel_rank)
-            if replay is not None:
+                self._pub.bind(pub_at)
+                pub_at = self._pub.getsockopt_string(zmq.LAST_ENDPOINT)
+            if replay_at is not None:
+                option, at = "replay_endpoint", replay_at
                 self._replay = self._ctx.socket(zmq.ROUTER)
                 self._replay.setsockopt(zmq.SNDHWM, 2 * (buffer_steps + 1))
-                self._replay.bind(replay)
-                replay = self._replay.getsockopt_string(zmq.LAST_ENDPOINT)
-        except zmq.ZMQError:
-            self._close_sockets()
-            raise
-        self.endpoint: str = resolved
-        self.replay_endpoint: str | None = replay
+                if "[" in replay_at:
+                    self._replay.setsockopt(zmq.IPV6, 1)
+                self._replay.bind(replay_at)
+                replay_at = self._replay.getsockopt_string(zmq.LAST_ENDPOINT)
+        except zmq.ZMQError as exc:
+            self._close_sockets(linger_ms=0)
+            pub = option == "endpoint"
+            problem = refusal(exc.errno, exc.strerror, bind=not (pub and connect), may_connect=pub)
+            raise ConfigError([(option, f"{option} {at!r}: {problem}")]) from exc
+        self.endpoint: str = pub_at
+        """Where the PUB socket is bound (a ``*`` port resolved) or connected."""
+        self.replay_endpoint: str | None = replay_at
+        """Where the replay ROUTER is bound, if any."""
+        log.info(
+            "zmq_event_sink_started",
+            endpoint=self.endpoint,
+            mode="connect" if connect else "bind",
+            replay_endpoint=self.replay_endpoint,
+        )
         self._running = True
         self._thread = threading.Thread(target=self._run, name="kvhex-zmq-events", daemon=True)
         self._thread.start()
@@ -116,7 +173,8 @@ class ZmqEventSink:
         self._queue.put(batch)
 
     def close(self) -> None:
-        """Send what is queued (bounded by one second), then close the sockets. Idempotent."""
+        """Send what is queued, give connected subscribers up to ``SHUTDOWN_TIMEOUT_S`` to
+        receive it, then close the sockets. Idempotent."""
         if not self._running:
             return
         self._running = False
@@ -124,12 +182,14 @@ class ZmqEventSink:
         self._thread.join(timeout=self.SHUTDOWN_TIMEOUT_S)
         if self._thread.is_alive():
             log.warning("zmq_event_sink_close_timed_out", queued=self._queue.qsize())
-        self._close_sockets()
+        self._close_sockets(linger_ms=int(self.SHUTDOWN_TIMEOUT_S * 1000))
 
-    def _close_sockets(self) -> None:
-        self._pub.close(linger=0)
+    def _close_sockets(self, *, linger_ms: int) -> None:
+        self._pub.close(linger=linger_ms)
         if self._replay is not None:
             self._replay.close(linger=0)
+        if self._own_ctx:
+            self._ctx.term()  # returns once the last messages left, or the linger ran out
 
     def _run(self) -> None:
         while True:
