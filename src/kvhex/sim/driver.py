@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import attrs
@@ -29,11 +29,21 @@ from kvhex.domain.keys import OffloadKey, make_offload_key
 from kvhex.domain.request import ReqContext
 from kvhex.domain.tiers import LookupResult
 from kvhex.domain.transfer import TransferJob, TransferKind, TransferResult
+from kvhex.errors import ConfigError
 from kvhex.ports.transfer import BlockTransfer
 from kvhex.service.engine import OffloadEngine
 from kvhex.sim.workload import Request, context
 
-__all__ = ["Direction", "Replay", "RunReport"]
+__all__ = ["TIER_FAILURES", "Direction", "Replay", "RunReport", "run_all"]
+
+TIER_FAILURES = (
+    "puts_failed",
+    "gets_failed",
+    "probes_failed",
+    "submit_errors",
+    "poll_errors",
+)
+"""The counters of a secondary tier (``TierStats``) that mean its storage failed a job."""
 
 _HIT = LookupResult.HIT
 _MISS = LookupResult.MISS
@@ -71,13 +81,29 @@ class RunReport:
     blocks_checked: int = 0
     blocks_bad: int = 0
     failed_transfers: int = 0
+    tier_failures: dict[str, dict[str, int]] = attrs.field(factory=dict)
+    """Per secondary tier, its non-zero :data:`TIER_FAILURES` counters (a full disk, a store
+    that went away)."""
     seconds: float = 0.0
     tokens_per_chunk: int = 0
 
     @property
     def intact(self) -> bool:
-        """Every loaded block equalled the stored one, and no copy failed."""
+        """No loaded block differed from the stored one, and no copy failed."""
         return self.blocks_bad == 0 and self.failed_transfers == 0
+
+    @property
+    def verdict(self) -> str:
+        """``intact`` (blocks were checked, all equal), ``CORRUPT``, or ``unchecked`` (no
+        block was loaded back, so nothing could be compared)."""
+        if not self.intact:
+            return "CORRUPT"
+        return "intact" if self.blocks_checked else "unchecked"
+
+    @property
+    def ok(self) -> bool:
+        """Nothing went wrong: intact (or unchecked) and no tier job failed."""
+        return self.intact and not self.tier_failures
 
     def as_dict(self) -> dict[str, Any]:
         """Plain data for ``--json``."""
@@ -111,8 +137,9 @@ class RunReport:
                 "blocks_checked": self.blocks_checked,
                 "blocks_bad": self.blocks_bad,
                 "failed_transfers": self.failed_transfers,
-                "verdict": "intact" if self.intact else "CORRUPT",
+                "verdict": self.verdict,
             },
+            "tier_failures": self.tier_failures,
             "seconds": self.seconds,
         }
 
@@ -233,9 +260,15 @@ class Replay:
 
     # -- device blocks -------------------------------------------------------------------
     def _take_blocks(self, n: int) -> list[int]:
-        if n > len(self.free):
-            raise RuntimeError(
-                f"a request needs {n} device blocks, {len(self.free)} are free: raise device_blocks"
+        if n > len(self.free):  # a workload checked against the device cache never gets here
+            raise ConfigError(
+                [
+                    (
+                        "$.run.device_blocks",
+                        f"a request needs {n} device blocks, more than the {len(self.free)} "
+                        f"[run].device_blocks holds: raise it to at least {n}",
+                    )
+                ]
             )
         return [self.free.pop() for _ in range(n)]
 
@@ -323,30 +356,37 @@ class Replay:
         return [t.keys_promoted for t in self.engine.stats().tiers]
 
     def finish(self) -> RunReport:
-        """Fill in the tiers' traffic; call after ``drain``."""
+        """Fill in the tiers' traffic and failures; call after ``drain``."""
         for t in self.engine.stats().tiers:
             self.report.tiers[t.name] = (
                 Direction(t.bytes_put, t.put_seconds),
                 Direction(t.bytes_got, t.get_seconds),
             )
+            failed = {name: getattr(t, name) for name in TIER_FAILURES if getattr(t, name)}
+            if failed:
+                self.report.tier_failures[t.name] = failed
         return self.report
 
 
 def run_all(
     replay: Replay,
-    requests: Sequence[Request],
+    requests: Iterable[Request],
     *,
     duration_s: float | None = None,
-    progress: Callable[[Replay, int, int], None] | None = None,
+    total: int | None = None,
+    progress: Callable[[Replay, int, int | None], None] | None = None,
 ) -> RunReport:
-    """Replay ``requests`` in order (stopping after ``duration_s`` if given), drain, report."""
+    """Replay ``requests`` in order, taking each only when its turn comes (an endless
+    iterator is fine with ``duration_s``), stopping once ``duration_s`` has passed; drain the
+    engine and report. ``total`` is what ``progress`` is told the run aims at."""
     start = time.perf_counter()
+    deadline = None if duration_s is None else start + duration_s
     for i, request in enumerate(requests):
-        if duration_s is not None and time.perf_counter() - start > duration_s:
-            break
         replay.run_request(request)
         if progress is not None:
-            progress(replay, i + 1, len(requests))
+            progress(replay, i + 1, total)
+        if deadline is not None and time.perf_counter() >= deadline:
+            break
     replay.drain()
     report = replay.finish()
     report.seconds = time.perf_counter() - start

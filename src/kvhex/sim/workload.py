@@ -8,12 +8,13 @@ block, multimodal inputs), with SHA-256 over a canonical encoding.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import random
 import struct
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import attrs
 
@@ -23,7 +24,16 @@ from kvhex.domain.provenance import MmFeature, Provenance
 from kvhex.domain.request import ReqContext
 from kvhex.errors import ConfigError, ConfigIssue
 
-__all__ = ["Request", "context", "read_workload", "synthetic_chat"]
+__all__ = [
+    "CONVERSATIONS",
+    "MAX_TURNS",
+    "DeviceCache",
+    "Request",
+    "context",
+    "read_workload",
+    "synthetic_chat",
+    "synthetic_max_tokens",
+]
 
 VOCAB = 32_000
 _ROOT = b"\0" * 32
@@ -68,83 +78,177 @@ def context(request: Request, geometry: KvGeometry) -> ReqContext:
     return ReqContext(request.req_id, provenance=prov)
 
 
-def synthetic_chat(requests: int, *, seed: int, tokens_per_chunk: int) -> list[Request]:
-    """A multi-turn chat workload: conversations that share one of three system prompts, run
-    by two tenants (cache salts), some through a LoRA adapter and some with an image; each
-    turn's prompt is the whole conversation so far plus a new user message. Conversations
-    interleave, so older context leaves the host tier before it is needed again."""
+CONVERSATIONS = 64
+"""At most this many conversations of the synthetic chat are open at once (fewer for short
+runs: one per six requests), so its working set stays the same however long it runs."""
+MAX_TURNS = 12
+"""A synthetic conversation ends after 2 to this many turns and a new one takes its place."""
+_MAX_USER = 4
+_MAX_REPLY = 3
+_ODD = 16
+
+
+class DeviceCache(NamedTuple):
+    """The device KV cache one request must fit in (``[run]``'s ``tokens_per_block`` x
+    ``blocks_per_chunk`` tokens per chunk, ``device_blocks`` blocks)."""
+
+    tokens_per_chunk: int
+    blocks_per_chunk: int
+    device_blocks: int
+
+    def blocks(self, tokens: int) -> int:
+        """Device blocks a prompt of ``tokens`` takes (its full chunks)."""
+        return tokens // self.tokens_per_chunk * self.blocks_per_chunk
+
+    def problem(self, tokens: int) -> str | None:
+        """Why a prompt of ``tokens`` does not fit, or ``None``."""
+        need = self.blocks(tokens)
+        if need <= self.device_blocks:
+            return None
+        return (
+            f"{tokens} tokens need {need} device blocks, more than [run].device_blocks = "
+            f"{self.device_blocks}: raise [run].device_blocks to at least {need} or shorten "
+            "the request"
+        )
+
+
+def synthetic_max_tokens(tokens_per_chunk: int) -> int:
+    """The longest prompt :func:`synthetic_chat` can make: the system prompt, then every turn
+    but the last with its longest user message and reply, then the longest user message."""
+    user = _MAX_USER * tokens_per_chunk + _ODD - 1
+    turn = user + _MAX_REPLY * tokens_per_chunk
+    return 8 * tokens_per_chunk + (MAX_TURNS - 1) * turn + user
+
+
+class _Conversation:
+    __slots__ = ("ident", "lora", "mm", "salt", "tokens", "turn", "turns")
+
+    def __init__(self, ident: int, system: list[int], turns: int) -> None:
+        self.ident = ident
+        self.tokens = list(system)
+        self.salt = f"tenant-{ident % 2}"
+        self.lora = "support-adapter" if ident % 4 == 3 else None
+        self.mm: tuple[MmFeature, ...] = ()
+        self.turn = 0
+        self.turns = turns
+
+
+def synthetic_chat(requests: int | None, *, seed: int, tokens_per_chunk: int) -> Iterator[Request]:
+    """A multi-turn chat workload of ``requests`` requests (``None``: endless), made one
+    request at a time, so memory stays flat however many are asked for: conversations that
+    share one of three system prompts, run by two tenants (cache salts), some through a LoRA
+    adapter and some with an image; each turn's prompt is the whole conversation so far plus
+    a new user message. Up to :data:`CONVERSATIONS`
+    conversations interleave, so older context leaves the host tier before it is needed
+    again; each ends after 2 to :data:`MAX_TURNS` turns and a new one opens in its place."""
     rng = random.Random(seed)
     systems = [_tokens(rng, 8 * tokens_per_chunk) for _ in range(3)]
-    n_conv = max(1, requests // 6)
-    convs: list[dict[str, Any]] = []
-    for c in range(n_conv):
-        convs.append(
-            {
-                "tokens": list(systems[c % 3]),
-                "salt": f"tenant-{c % 2}",
-                "lora": "support-adapter" if c % 4 == 3 else None,
-                "mm": (),
-                "turn": 0,
-            }
+    wanted = CONVERSATIONS * 6 if requests is None else requests
+    open_at_once = max(1, min(wanted // 6, CONVERSATIONS))
+    convs = [
+        _Conversation(c, systems[c % 3], rng.randint(2, MAX_TURNS)) for c in range(open_at_once)
+    ]
+    opened = open_at_once
+    for _ in itertools.count() if requests is None else range(requests):  # lazy, any size
+        place = rng.randrange(open_at_once)
+        conv = convs[place]
+        user = rng.randint(2, _MAX_USER) * tokens_per_chunk + rng.randrange(_ODD)
+        conv.tokens += _tokens(rng, user)
+        if conv.turn == 1 and conv.ident % 5 == 2:  # an image in the second user message
+            offset = len(conv.tokens) - tokens_per_chunk
+            conv.mm = (MmFeature(f"img-{conv.ident}", offset, tokens_per_chunk // 2),)
+        yield Request(
+            f"chat-{conv.ident}-turn-{conv.turn}",
+            tuple(conv.tokens),
+            conv.lora,
+            conv.salt,
+            conv.mm,
         )
-    out: list[Request] = []
-    while len(out) < requests:
-        conv = convs[rng.randrange(n_conv)]
-        c = convs.index(conv)
-        conv["tokens"] += _tokens(rng, rng.randint(2, 4) * tokens_per_chunk + rng.randrange(16))
-        if conv["turn"] == 1 and c % 5 == 2:  # an image in the second user message
-            offset = len(conv["tokens"]) - tokens_per_chunk
-            conv["mm"] = (MmFeature(f"img-{c}", offset, tokens_per_chunk // 2),)
-        out.append(
-            Request(
-                f"chat-{c}-turn-{conv['turn']}",
-                tuple(conv["tokens"]),
-                conv["lora"],
-                conv["salt"],
-                conv["mm"],
-            )
-        )
-        conv["tokens"] += _tokens(rng, rng.randint(1, 3) * tokens_per_chunk)  # the reply
-        conv["turn"] += 1
-    return out
+        conv.turn += 1
+        if conv.turn >= conv.turns:
+            convs[place] = _Conversation(opened, systems[opened % 3], rng.randint(2, MAX_TURNS))
+            opened += 1
+        else:
+            conv.tokens += _tokens(rng, rng.randint(1, _MAX_REPLY) * tokens_per_chunk)  # reply
 
 
-def read_workload(path: str | Path, *, seed: int, limit: int | None = None) -> list[Request]:
+def read_workload(
+    path: str | Path,
+    *,
+    seed: int,
+    limit: int | None = None,
+    device: DeviceCache | None = None,
+) -> Iterator[Request]:
     """Requests from a JSONL file, one JSON object per line (blank lines skipped):
 
     * ``tokens``: the prompt's token ids; or ``length``: how many tokens, with an optional
-      ``prefix_group`` (a name) and ``prefix_length``: the first ``prefix_length`` tokens are
-      equal for every line of the group;
+      ``prefix_group`` (a name) and ``prefix_length`` (at most ``length``): the first
+      ``prefix_length`` tokens are equal for every line of the group;
     * optional ``id``, ``lora`` (adapter name), ``cache_salt`` (tenant), ``mm`` (a list of
       ``{"id": str, "offset": int, "length": int}``).
 
+    The file is checked whole (up to ``limit`` requests) before this returns; the requests
+    are then made as they are iterated, so memory does not grow with the file.
+
     Raises:
-        ConfigError: naming the file, line and key of every bad line.
+        ConfigError: naming the file, line and key of every bad line (a request longer than
+            ``device`` holds names ``[run].device_blocks``).
     """
     source = str(path)
+    issues: list[ConfigIssue] = []
+    count = 0
     try:
-        lines = Path(path).read_text(encoding="utf-8").splitlines()
+        for number, item in _lines(path):
+            where = f"line {number}"
+            if isinstance(item, str):
+                issues.append((where, item))
+                continue
+            found = list(_line_issues(item, where, device))
+            issues.extend(found)
+            count += not found
+            if limit is not None and count >= limit:
+                break
     except OSError as exc:
         raise ConfigError([("$", f"cannot read workload: {exc.strerror or exc}")], source) from exc
+    except UnicodeDecodeError as exc:
+        raise ConfigError([("$", f"not a UTF-8 text file: {exc.reason}")], source) from exc
+    if issues:
+        raise ConfigError(issues, source)
+    if not count:
+        raise ConfigError([("$", "the workload holds no request")], source)
+    return _requests(path, seed, count)
+
+
+def _lines(path: str | Path) -> Iterator[tuple[int, dict[str, Any] | str]]:
+    """Each non-blank line's number and object, or what is wrong with it (a string)."""
+    with open(path, encoding="utf-8") as lines:
+        for number, line in enumerate(lines, 1):
+            if not line.strip():
+                continue
+            try:
+                item = json.loads(line)
+            except json.JSONDecodeError as exc:
+                yield number, f"not valid JSON: {exc.msg}"
+                continue
+            if not isinstance(item, dict):
+                yield number, f"expected an object, got {type(item).__name__}"
+                continue
+            yield number, item
+
+
+def _requests(path: str | Path, seed: int, count: int) -> Iterator[Request]:
+    """The first ``count`` requests of a checked file, made one at a time."""
     rng = random.Random(seed)
-    out: list[Request] = []
-    issues: list[ConfigIssue] = []
-    for number, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
+    for number, item in itertools.islice(_lines(path), count):
         where = f"line {number}"
-        try:
-            item = json.loads(line)
-        except json.JSONDecodeError as exc:
-            issues.append((where, f"not valid JSON: {exc.msg}"))
-            continue
-        if not isinstance(item, dict):
-            issues.append((where, f"expected an object, got {type(item).__name__}"))
-            continue
-        found = list(_line_issues(item, where))
-        if found:
-            issues.extend(found)
-            continue
+        changed = (
+            [(where, item)] if isinstance(item, str) else list(_line_issues(item, where, None))
+        )
+        if changed or isinstance(item, str):
+            raise ConfigError(
+                [(key, f"changed while the run read the file: {why}") for key, why in changed],
+                str(path),
+            )
         if "tokens" in item:
             tokens = list(item["tokens"])
         else:
@@ -152,29 +256,22 @@ def read_workload(path: str | Path, *, seed: int, limit: int | None = None) -> l
             group = item.get("prefix_group")
             shared: list[int] = []
             if group is not None:  # the same seed draws the same leading tokens for the group
-                want = min(item.get("prefix_length", length), length)
+                want = item.get("prefix_length", length)
                 shared = _tokens(random.Random(f"{seed}:{group}"), want)
             tokens = shared + _tokens(rng, length - len(shared))
         mm = tuple(MmFeature(m["id"], m["offset"], m["length"]) for m in item.get("mm", ()))
-        out.append(
-            Request(
-                str(item.get("id", f"req-{number}")),
-                tuple(tokens),
-                item.get("lora"),
-                item.get("cache_salt"),
-                tuple(sorted(mm, key=lambda f: f.offset)),
-            )
+        yield Request(
+            str(item.get("id", f"req-{number}")),
+            tuple(tokens),
+            item.get("lora"),
+            item.get("cache_salt"),
+            tuple(sorted(mm, key=lambda f: f.offset)),
         )
-        if limit is not None and len(out) >= limit:
-            break
-    if issues:
-        raise ConfigError(issues, source)
-    if not out:
-        raise ConfigError([("$", "the workload holds no request")], source)
-    return out
 
 
-def _line_issues(item: dict[str, Any], where: str) -> Iterator[ConfigIssue]:
+def _line_issues(
+    item: dict[str, Any], where: str, device: DeviceCache | None
+) -> Iterator[ConfigIssue]:
     for key in sorted(set(item) - _KNOWN):
         yield (f"{where}.{key}", f"unknown key; known keys: {', '.join(sorted(_KNOWN))}")
     if ("tokens" in item) == ("length" in item):
@@ -190,6 +287,17 @@ def _line_issues(item: dict[str, Any], where: str) -> Iterator[ConfigIssue]:
             yield (f"{where}.{key}", f"expected a positive integer, got {value!r}")
     if "prefix_length" in item and "prefix_group" not in item:
         yield (f"{where}.prefix_length", "needs a 'prefix_group'")
+    length, prefix = item.get("length"), item.get("prefix_length")
+    if isinstance(length, int) and isinstance(prefix, int) and prefix > length > 0:
+        yield (
+            f"{where}.prefix_length",
+            f"{prefix} is longer than the prompt (length {length}): at most {length}",
+        )
+    size = len(tokens) if isinstance(tokens, list) else length
+    if device is not None and isinstance(size, int):
+        problem = device.problem(size)
+        if problem is not None:
+            yield (f"{where}.{'tokens' if 'tokens' in item else 'length'}", problem)
     for key in ("id", "prefix_group", "lora", "cache_salt"):
         value = item.get(key)
         if value is not None and not (isinstance(value, str) and value):
