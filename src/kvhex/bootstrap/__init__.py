@@ -28,7 +28,13 @@ from kvhex.bootstrap.entries import (
     plan_tier,
 )
 from kvhex.config.loader import load_vllm_config, load_vllm_tier
-from kvhex.config.model import BackpressureConfig, KvhexConfig, PrimaryConfig, TierConfig
+from kvhex.config.model import (
+    BackpressureConfig,
+    KvhexConfig,
+    LoadingConfig,
+    PrimaryConfig,
+    TierConfig,
+)
 from kvhex.config.vllm import KVHEX_TIER_TYPE, SOURCE, FsTierEntry, ObjTierEntry, VllmTierEntry
 from kvhex.domain.backpressure import AdmissionPolicy, AlwaysAdmit
 from kvhex.domain.geometry import KvGeometry
@@ -50,6 +56,7 @@ __all__ = [
     "BackpressureConfig",
     "EntryPaths",
     "FsTierEntry",
+    "LoadingConfig",
     "ObjTierEntry",
     "TierSpec",
     "VllmTierEntry",
@@ -150,11 +157,13 @@ def assemble_engine(
     sinks: Sequence[EventSink] = (),
     translator: EventTranslator | None = None,
     source: str | None = None,
+    loading: LoadingConfig | None = None,
 ) -> tuple[OffloadEngine, list[TierStore]]:
     """The engine over ``primary`` and the secondary tiers of ``tiers``, built in order, with
-    events published to ``sinks``. Returns the engine and its secondary tiers. Every tier is
-    checked before the first is built (all problems in one ``ConfigError``); if one fails to
-    build, the ones already built are closed: nothing half-built stays open.
+    events published to ``sinks`` and load-or-recompute decisions as ``loading`` says
+    (default: ``LoadingConfig()``, mode ``auto``). Returns the engine and its secondary tiers.
+    Every tier is checked before the first is built (all problems in one ``ConfigError``);
+    if one fails to build, the ones already built are closed: nothing half-built stays open.
 
     Raises:
         ConfigError: a tier is misconfigured or cannot start (paths name the keys).
@@ -164,7 +173,16 @@ def assemble_engine(
     issues = [issue for plan in plans for issue in plan.issues]
     if issues:
         raise ConfigError(issues, source)
-    return _assemble(primary, tiers, plans, host, sinks=sinks, translator=translator, source=source)
+    return _assemble(
+        primary,
+        tiers,
+        plans,
+        host,
+        sinks=sinks,
+        translator=translator,
+        source=source,
+        loading=loading,
+    )
 
 
 def _assemble(
@@ -176,6 +194,7 @@ def _assemble(
     sinks: Sequence[EventSink],
     translator: EventTranslator | None,
     source: str | None,
+    loading: LoadingConfig | None = None,
 ) -> tuple[OffloadEngine, list[TierStore]]:
     stores: list[TierStore] = []
     try:
@@ -194,6 +213,7 @@ def _assemble(
         host=host,
         admission=lambda i: tiers[i].admission(),
         names=[t.name for t in tiers],
+        loading=(loading or LoadingConfig()).decider(),
     )
     pipeline = EventPipeline(translator or EventTranslator(), sinks)
     return OffloadEngine(manager, pipeline), stores
@@ -245,7 +265,14 @@ def build_engine(
             sinks.append(plan.build(source))
         translator = EventTranslator(geometry)
         return _assemble(
-            primary, specs, tier_plans, host, sinks=sinks, translator=translator, source=source
+            primary,
+            specs,
+            tier_plans,
+            host,
+            sinks=sinks,
+            translator=translator,
+            source=source,
+            loading=config.loading,
         )
     except BaseException:
         for built in sinks:

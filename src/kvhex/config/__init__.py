@@ -13,6 +13,7 @@ from kvhex.config.loader import (
 from kvhex.config.model import (
     BackpressureConfig,
     KvhexConfig,
+    LoadingConfig,
     PluginName,
     PositiveInt,
     PrimaryConfig,
@@ -24,6 +25,7 @@ from kvhex.config.vllm import VllmExtraConfig
 __all__ = [
     "BackpressureConfig",
     "KvhexConfig",
+    "LoadingConfig",
     "PluginName",
     "PositiveInt",
     "PrimaryConfig",

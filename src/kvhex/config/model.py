@@ -19,8 +19,10 @@ from typing import Any, NewType
 import attrs
 
 from kvhex.domain.backpressure import EmaBackpressure
+from kvhex.domain.cost import LoadMode, PrefillRate
 from kvhex.domain.tiers import Locality
 from kvhex.errors import ConfigError, ConfigIssue
+from kvhex.service.loading import LoadDecider
 
 __all__ = [
     "CHECKS",
@@ -340,6 +342,61 @@ class BackpressureConfig:
         )
 
 
+LOAD_MODES = tuple(m.value for m in LoadMode)
+
+
+def _load_mode(value: Any) -> str:
+    if value not in LOAD_MODES:
+        raise ValueError(f"must be one of {', '.join(map(repr, LOAD_MODES))}, got {value!r}")
+    return str(value)
+
+
+def _rate(value: Any) -> float | None:
+    if value is None:
+        return None
+    number = _number(value)
+    if not (0 < number < float("inf")):
+        raise ValueError(f"must be a positive number of tokens per second, got {value!r}")
+    return number
+
+
+@attrs.frozen(kw_only=True)
+class LoadingConfig:
+    """Load or recompute a matched prefix that secondary tiers hold (docs/loading.md).
+
+    Attributes:
+        mode: ``auto``: load what the measured costs say is faster than recomputing;
+            ``off``: load every hit (as vLLM does); ``fixed``: load secondary-tier hits only
+            when they hold at least ``min_tokens`` tokens.
+        min_tokens: ``fixed``: the tokens a request's secondary-tier hits must hold.
+        prefill_tokens_per_s: the engine's prefill speed; default: measured from its steps.
+        explore_every: ``auto``: every n-th plan that would recompute a tier's chunks loads
+            them, so a tier judged slow is measured again.
+    """
+
+    mode: str = attrs.field(default="auto", validator=_validator(_load_mode))
+    min_tokens: int = attrs.field(default=0, validator=_validator(_non_negative_int))
+    prefill_tokens_per_s: float | None = attrs.field(default=None, validator=_validator(_rate))
+    explore_every: PositiveInt = attrs.field(
+        default=PositiveInt(64), validator=_validator(_positive_int)
+    )
+
+    def __attrs_post_init__(self) -> None:
+        if self.min_tokens and self.mode != LoadMode.FIXED.value:
+            raise ValueError(f"min_tokens: applies to mode 'fixed' only (mode is {self.mode!r})")
+        if self.mode == LoadMode.FIXED.value and not self.min_tokens:
+            raise ValueError("min_tokens: mode 'fixed' needs a number of tokens > 0")
+
+    def decider(self) -> LoadDecider:
+        """A new decider with these settings (one per engine)."""
+        return LoadDecider(
+            LoadMode(self.mode),
+            min_tokens=self.min_tokens,
+            prefill=PrefillRate(configured=self.prefill_tokens_per_s),
+            explore_every=self.explore_every,
+        )
+
+
 @attrs.frozen(kw_only=True)
 class TierConfig:
     """One secondary tier, in lookup order.
@@ -427,12 +484,14 @@ class KvhexConfig:
         tiers: secondary tiers, in lookup and cascade order.
         sinks: where public KV events go.
         run: what ``kvhex run`` replays.
+        loading: load or recompute prefixes held by secondary tiers.
     """
 
     primary: PrimaryConfig = attrs.field(metadata={HINT: "the [primary] table"})
     tiers: tuple[TierConfig, ...] = ()
     sinks: tuple[SinkConfig, ...] = ()
     run: RunConfig = attrs.field(factory=RunConfig)
+    loading: LoadingConfig = attrs.field(factory=LoadingConfig)
 
     def __attrs_post_init__(self) -> None:
         """Checks across keys, before anything is built.

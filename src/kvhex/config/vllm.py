@@ -22,6 +22,7 @@ from kvhex.config.model import (
     STORE_THRESHOLD_WITH_TIERS,
     BackpressureConfig,
     ByteCount,
+    LoadingConfig,
     NonEmptyStr,
     NonNegativeInt,
     Options,
@@ -78,9 +79,12 @@ class VllmEngineOptions:
 
     Attributes:
         policy: the host tier's eviction policy (overrides ``eviction_policy``).
+        loading: load or recompute prefixes held by secondary tiers (as TOML's
+            ``[loading]``).
     """
 
     policy: PluginName | None = None
+    loading: LoadingConfig = attrs.field(factory=LoadingConfig)
 
 
 @attrs.frozen(kw_only=True)

@@ -492,6 +492,13 @@ class TieringManager:
         """The load-or-recompute decisions (mode, prefill speed, tokens per key)."""
         return self._loading
 
+    def set_load_mode(self, mode: LoadMode) -> None:
+        """Switch load-or-recompute decisions (``OFF`` promotes every hit at its first
+        lookup); decisions already taken for active requests stand."""
+        self._loading.mode = mode
+        self._loading.scans.clear()
+        self._scanning = self._loading.active and bool(self._tiers)
+
     def observe_prefill(self, tokens: int, seconds: float) -> None:
         """The host engine computed ``tokens`` tokens in ``seconds`` (one step)."""
         self._loading.prefill.observe(tokens, seconds)

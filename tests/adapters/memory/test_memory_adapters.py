@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from kvhex.adapters.memory import MemoryHostBuffer, MemoryTierStore
@@ -64,6 +66,28 @@ def test_jobs_complete_only_after_the_configured_polls_in_order() -> None:
     (result,) = store.poll()
     assert result.job_id == 1
     assert result.found == frozenset()
+
+
+def test_a_throttled_tier_reports_no_get_before_its_delay_and_drain_waits_it_out() -> None:
+    host = MemoryHostBuffer(2, 8)
+    store = MemoryTierStore(host, capacity_bytes=64, get_delay_s=0.2)
+    assert put(store, host, [1], 1)  # puts are not delayed
+    store.submit_probe(TierJob(JobId(2), JobKind.PROBE, tuple(keys(1))))
+    (probe,) = store.poll()  # nor are probes
+    assert probe.found == frozenset(keys(1))
+    submitted = time.perf_counter()
+    store.submit_get(TierJob(JobId(3), JobKind.GET, tuple(keys(1)), (1,)))
+    assert store.poll() == []  # polled at once: too early
+    store.drain()
+    assert time.perf_counter() - submitted >= 0.2
+    (result,) = store.poll()
+    assert (result.job_id, result.success) == (3, True)
+    assert result.seconds is not None
+    assert result.seconds >= 0.2
+    assert bytes(host.slot_view(1)) == bytes([1]) * 8
+    for bad in (-1.0, float("inf"), float("nan"), "1"):
+        with pytest.raises(ValueError, match="get_delay_s"):
+            MemoryTierStore(host, capacity_bytes=64, get_delay_s=bad)  # type: ignore[arg-type]
 
 
 def test_closed_store_fails_queued_jobs_and_refuses_new_ones() -> None:

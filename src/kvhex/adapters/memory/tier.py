@@ -44,6 +44,9 @@ class MemoryTierStore:
         medium: the medium announced (default ``STORAGE``).
         locality: announced locality (default ``LOCAL``).
         complete_after_polls: a job is reported by the N-th ``poll`` after its submission.
+        get_delay_s: a get (a read) is reported no earlier than this many seconds after
+            its submission: a slow or throttled store whose index answers at once (probes
+            and puts are not delayed), for benchmarks and tests; ``drain`` waits it out.
     """
 
     def __init__(
@@ -55,9 +58,15 @@ class MemoryTierStore:
         medium: Medium = Medium.STORAGE,
         locality: Locality | None = Locality.LOCAL,
         complete_after_polls: int = 1,
+        get_delay_s: float = 0.0,
     ) -> None:
         if complete_after_polls < 1:
             raise ValueError(f"complete_after_polls must be >= 1, got {complete_after_polls}")
+        if not (isinstance(get_delay_s, int | float) and 0 <= get_delay_s < float("inf")):
+            raise ValueError(
+                f"get_delay_s must be a finite number of seconds >= 0, got {get_delay_s!r}"
+            )
+        self.get_delay_s = float(get_delay_s)
         self._host = host
         self.capacity_bytes = capacity_bytes
         self._identity = TierIdentity(medium, locality, name)
@@ -130,15 +139,24 @@ class MemoryTierStore:
         """Run every queued job whose poll count is reached, in submission order."""
         for entry in self._queue:
             entry.polls_left -= 1
-        while self._queue and self._queue[0].polls_left <= 0:
+        now = time.perf_counter()
+        while self._queue and self._queue[0].polls_left <= 0 and self._due(self._queue[0]) <= now:
             self._run(self._queue.popleft())
         results, self._results = self._results, []
         return results
 
     def drain(self) -> None:
-        """Run every queued job now; results wait for the next poll."""
+        """Run every queued job now (a get after its ``get_delay_s``); results wait for the
+        next poll."""
         while self._queue:
+            wait = self._due(self._queue[0]) - time.perf_counter()
+            if wait > 0:
+                time.sleep(wait)
             self._run(self._queue.popleft())
+
+    def _due(self, entry: _Queued) -> float:
+        delay = self.get_delay_s if entry.job.kind is JobKind.GET else 0.0
+        return entry.submitted + delay
 
     def close(self) -> None:
         """Fail queued jobs (reported by the next poll, their room released); refuse new

@@ -189,6 +189,7 @@ def build_engine(
         registry,
         translator=EventTranslator(geometry, int_hashes=int_hashes),
         source=SOURCE,
+        loading=settings.loading,
     )
 
 

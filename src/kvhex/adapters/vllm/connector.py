@@ -13,6 +13,11 @@ spec's manager is kvhex's:
   again at once, in a loop that holds the GIL, and the tiers' IO threads would get it only
   at the interpreter's switch interval (5 ms a turn: the get job of a 64 MiB promotion from
   files took 1.37 s over 5,700 steps, against 29-37 ms over 25 steps with the sleep);
+* ``build_connector_meta`` and ``update_connector_output`` time the engine's steps for
+  load-or-recompute decisions: a step that scheduled at least ``PREFILL_MIN_TOKENS`` tokens
+  ran from the one call to the other (scheduling, model and sampling; no idle wait); its
+  tokens per second is the prefill speed kvhex compares loads with (unless one is
+  configured);
 * ``take_events``: the step's events come from kvhex's translator (full ``BlockStored`` for
   host stores, secondary-tier stores and promotions; per-key ``BlockRemoved`` on reset) as
   vLLM's own ``kv_events`` structs, which vLLM's scheduler publishes with its publisher.
@@ -38,6 +43,9 @@ from kvhex.adapters.vllm.manager import KvhexOffloadingManager
 from kvhex.domain.geometry import CacheKind, KvGeometry, KvGroup
 
 __all__ = ["IDLE_STEP_WAIT_S", "KvhexOffloadingConnector", "geometry_of_groups"]
+
+PREFILL_MIN_TOKENS = 128
+"""A step scheduling fewer tokens (decode steps) says little about prefill speed."""
 
 IDLE_STEP_WAIT_S = 0.001
 """How long an empty scheduler step sleeps while kvhex's tiers have work in flight."""
@@ -74,6 +82,7 @@ class KvhexOffloadingConnector(OffloadingConnector):
     def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
         self._kvhex: KvhexOffloadingManager | None = None
+        self._step_began: tuple[float, int] | None = None  # (clock, tokens) of this step
         scheduler = self.connector_scheduler
         if scheduler is not None and isinstance(scheduler.manager, KvhexOffloadingManager):
             self._kvhex = scheduler.manager
@@ -88,7 +97,10 @@ class KvhexOffloadingConnector(OffloadingConnector):
     def build_connector_meta(self, scheduler_output: Any) -> Any:
         meta = super().build_connector_meta(scheduler_output)
         kvhex = self._kvhex
-        if kvhex is None or scheduler_output.total_num_scheduled_tokens:
+        if kvhex is None:
+            return meta
+        self._time_step(kvhex, scheduler_output)
+        if scheduler_output.total_num_scheduled_tokens:
             return meta
         with manager_lock(kvhex):
             working = kvhex.has_pending_work()
@@ -98,6 +110,17 @@ class KvhexOffloadingConnector(OffloadingConnector):
             # for the interpreter's switch interval); give them the time instead
             _nap(IDLE_STEP_WAIT_S)
         return meta
+
+    def _time_step(self, kvhex: KvhexOffloadingManager, scheduler_output: Any) -> None:
+        tokens = scheduler_output.total_num_scheduled_tokens
+        self._step_began = (time.perf_counter(), tokens) if tokens >= PREFILL_MIN_TOKENS else None
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        super().update_connector_output(connector_output)
+        began, self._step_began = self._step_began, None
+        if began is not None and self._kvhex is not None:
+            with manager_lock(self._kvhex):
+                self._kvhex.engine.observe_prefill(began[1], time.perf_counter() - began[0])
 
     def on_new_request(self, request: Any) -> None:
         if self._kvhex is None:

@@ -22,6 +22,7 @@ from kvhex.bootstrap import (
     BackpressureConfig,
     EntryPaths,
     FsTierEntry,
+    LoadingConfig,
     ObjTierEntry,
     VllmTierEntry,
     load_vllm_config,
@@ -75,6 +76,7 @@ class VllmSettings:
         policy_path: the key that named ``policy`` (``$.kvhex.policy`` or
             ``$.eviction_policy``).
         store_threshold: at least 1 (vLLM's 0 and 1 both store at once).
+        loading: load or recompute (``$.kvhex.loading``).
     """
 
     cpu_bytes_to_use: int
@@ -83,6 +85,7 @@ class VllmSettings:
     store_threshold: int
     max_tracker_size: int
     tiers: tuple[TierSettings, ...]
+    loading: LoadingConfig = attrs.field(factory=LoadingConfig)
 
 
 def parse_settings(extra: Mapping[str, Any]) -> VllmSettings:
@@ -103,6 +106,7 @@ def parse_settings(extra: Mapping[str, Any]) -> VllmSettings:
             _tier(entry, f"$.secondary_tiers[{i}]", i)
             for i, entry in enumerate(config.secondary_tiers)
         ),
+        loading=config.kvhex.loading,
     )
 
 
