@@ -5,18 +5,21 @@ non-zero exit; bad flags and endpoints."""
 from __future__ import annotations
 
 import json
+import socket
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import zmq
 
+from kvhex.adapters.events.jsonl import JsonlEventSink
 from kvhex.adapters.events.wire import encode_batch
 from kvhex.adapters.events.zmq import ZmqEventSink
 from kvhex.adapters.memory import MemoryEventSink
 from kvhex.domain.events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
-from tests.cli.command import kvhex, spawn
+from tests.cli.command import Lines, kvhex, spawn
 from tests.cli.workload import CHUNKS, REQUESTS, serve
 
 
@@ -94,16 +97,19 @@ def test_a_live_stream_is_followed_and_gaps_are_filled_from_the_replay(
         "--duration",
         "60",
     )
+    out, err = Lines(watcher.stdout), Lines(watcher.stderr)
     try:
-        time.sleep(0.5)
+        # its first line is the replayed step 0: it has subscribed and the replay answered,
+        # so what follows is seen live (a batch still missed live is a gap, fetched again)
+        out.wait_for(lambda lines: len(lines) >= 1)
         for _ in steps:
             time.sleep(0.05)  # paced: the subscriber sees them live
-        out, err = watcher.communicate(timeout=60)
+        watcher.wait(timeout=60)
     finally:
         watcher.kill()
     assert len(published(memory)) == total
-    assert watcher.returncode == 0, out + err
-    records = [json.loads(line) for line in out.splitlines()]
+    assert watcher.returncode == 0, out.text() + err.text()
+    records = [json.loads(line) for line in out.text().splitlines()]
     events, summary = records[:-1], records[-1]
     assert len(events) == total
     seqs = [e["seq"] for e in events]
@@ -305,10 +311,106 @@ def test_a_silent_replay_socket_is_reported(sink: ZmqEventSink) -> None:
     assert "did not answer" in done.stdout
 
 
-def test_nothing_received_is_no_inconsistency(sink: ZmqEventSink) -> None:
-    done = kvhex("events", sink.endpoint, "--duration", "0.3", "--quiet")
-    assert done.returncode == 0, done.stderr
+def test_a_publisher_that_sent_nothing_exits_3_saying_so(sink: ZmqEventSink) -> None:
+    done = kvhex("events", sink.endpoint, "--duration", "0.5", "--quiet")
+    assert done.returncode == 3, done.stdout + done.stderr
     assert "batches 0; events: none" in done.stdout
+    assert done.stdout.splitlines()[-1] == "NOTHING RECEIVED: no verdict"
+    assert f"a publisher was connected to {sink.endpoint} but sent nothing within 0.5 s" in (
+        done.stderr
+    )
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port: int = probe.getsockname()[1]
+        return port
+
+
+def test_no_publisher_within_the_duration_exits_3_saying_so() -> None:
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    done = kvhex("events", endpoint, "--duration", "0.3")
+    assert done.returncode == 3, done.stdout + done.stderr
+    assert f"no publisher at {endpoint} within 0.3 s" in done.stderr
+    assert "kvhex run --events binds" in done.stderr
+    assert "Traceback" not in done.stderr
+
+
+def test_bind_waits_for_a_publisher_that_connects() -> None:
+    watcher = spawn("events", "tcp://127.0.0.1:*", "--bind", "--count", "2", "--json")
+    out, err = Lines(watcher.stdout), Lines(watcher.stderr)
+    try:
+        (line,) = err.wait_for(lambda lines: any("listening on" in x for x in lines))
+        endpoint = line.rsplit(" ", 1)[-1]
+        sink = ZmqEventSink(endpoint, connect=True)
+        try:
+            assert sink.endpoint == endpoint
+            # a connecting PUB drops what it sends before the subscription arrives: send
+            # until the command has printed what it was waiting for
+            seq = 0
+            while len(out.lines) < 2 and watcher.poll() is None:
+                sink.publish(EventBatch(float(seq), [AllBlocksCleared()]))
+                seq += 1
+                time.sleep(0.05)
+            watcher.wait(timeout=30)
+        finally:
+            sink.close()
+    finally:
+        watcher.kill()
+    assert watcher.returncode in (0, 1), out.text() + err.text()  # joined late: a gap is fine
+    records = [json.loads(x) for x in out.text().splitlines()]
+    assert [r["type"] for r in records] == ["AllBlocksCleared", "AllBlocksCleared", "Summary"]
+    assert records[0]["data_parallel_rank"] == 0
+
+
+def test_a_jsonl_file_gets_the_same_ledger_and_verdict(tmp_path: Path) -> None:
+    path = tmp_path / "events.jsonl"
+    memory = MemoryEventSink()
+    jsonl = JsonlEventSink(path)
+    *_, tier = serve([jsonl, memory])
+    jsonl.close()
+    done = kvhex("events", str(path), "--json")
+    assert done.returncode == 0, done.stdout + done.stderr
+    records = [json.loads(line) for line in done.stdout.splitlines()]
+    events, summary = records[:-1], records[-1]
+    assert [e["type"] for e in events] == [type(e).__name__ for e in published(memory)]
+    assert [e["seq"] for e in events] == sorted(e["seq"] for e in events)
+    assert events[0]["seq"] == 0
+    stored = next(e for e in published(memory) if isinstance(e, BlockStored))
+    assert events[0]["block_hashes"] == [h.hex() for h in stored.block_hashes]
+    assert events[0]["token_ids"] == stored.token_ids
+    assert summary["consistent"] is True
+    assert summary["batches"] == len(memory.batches)
+    locality = tier.identity.locality
+    storage = f"STORAGE({locality.value if locality else '-'},mem)"
+    assert summary["blocks"] == {"CPU": 0, storage: REQUESTS * CHUNKS * 2}
+
+
+def test_a_jsonl_file_with_a_missing_batch_and_a_bad_line_is_inconsistent(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "events.jsonl"
+    jsonl = JsonlEventSink(path)
+    for i in range(4):
+        jsonl.publish(EventBatch(float(i), [AllBlocksCleared()]))
+    jsonl.close()
+    lines = path.read_text().splitlines()
+    path.write_text("\n".join([lines[0], lines[2], "{not json", lines[3]]) + "\n")
+    done = kvhex("events", str(path))
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "sequence gaps: missing 1" in done.stdout
+    assert "line 3: " in done.stdout
+    assert "undecodable batches: 1" in done.stdout
+    assert "INCONSISTENT" in done.stdout
+
+
+def test_an_empty_jsonl_file_exits_3(tmp_path: Path) -> None:
+    path = tmp_path / "events.jsonl"
+    path.write_text("")
+    done = kvhex("events", str(path))
+    assert done.returncode == 3, done.stdout + done.stderr
+    assert f"FILE {path} holds no batch" in done.stderr
 
 
 @pytest.mark.parametrize(
@@ -330,4 +432,5 @@ def test_bad_flags_exit_2_naming_the_flag(args: list[str], named: str) -> None:
 def test_an_unusable_endpoint_exits_2_naming_it() -> None:
     done = kvhex("events", "nonsense", "--duration", "0.1")
     assert done.returncode == 2
-    assert "ENDPOINT nonsense" in done.stderr
+    assert "ENDPOINT nonsense: neither a ZMQ endpoint" in done.stderr
+    assert "no such file" in done.stderr

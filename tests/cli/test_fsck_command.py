@@ -83,3 +83,18 @@ def test_bad_flags_exit_2_naming_the_flag(args: list[str], named: str) -> None:
     done = kvhex(*args)
     assert done.returncode == 2
     assert named in done.stderr
+
+
+def test_a_root_holding_no_kvhex_tier_exits_3_saying_so(tmp_path: Path) -> None:
+    done = kvhex("fsck", str(tmp_path))
+    assert done.returncode == 3, done.stdout + done.stderr
+    assert f"ROOT {tmp_path} holds no kvhex tier (it is empty)" in done.stderr
+    assert "clean" not in done.stdout
+    (tmp_path / "notes.txt").write_text("x")
+    (tmp_path / "photos").mkdir()
+    done = kvhex("fsck", str(tmp_path), "--json")
+    assert done.returncode == 3
+    assert "(2 entries, none a kvhex namespace)" in done.stderr
+    report = json.loads(done.stdout)  # --json still prints what it found
+    assert report["namespaces"] == []
+    assert sorted(report["foreign"]) == ["notes.txt", "photos/"]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -12,6 +13,7 @@ from typing import Any
 import pytest
 
 from tests.adapters.conftest import CREDENTIALS
+from tests.cli.command import small_config
 
 SMALL = ["--requests", "30", "--no-progress"]
 
@@ -25,29 +27,6 @@ def kvhex(*args: str, env: dict[str, str] | None = None, timeout: float = 240) -
         env={**os.environ, **(env or {})},
         check=False,
     )
-
-
-def small_config(tmp_path: Path, extra: str = "") -> Path:
-    config = tmp_path / "kvhex.toml"
-    config.write_text(
-        f"""
-[primary]
-capacity_bytes = 4194304
-
-[[tiers]]
-type = "fsspec"
-name = "disk"
-options = {{ url = "{tmp_path / "tier"}", capacity_bytes = 67108864 }}
-
-[run]
-requests = 40
-layers = 2
-page_bytes = 4096
-device_blocks = 512
-{extra}
-"""
-    )
-    return config
 
 
 def test_the_default_run_reports_hits_traffic_events_and_integrity() -> None:
@@ -179,14 +158,14 @@ def test_bad_flags_exit_2_naming_the_flag(args: list[str], named: str) -> None:
 def test_bad_config_files_name_the_file_and_key(tmp_path: Path) -> None:
     bad = small_config(tmp_path, "requestz = 3")
     done = kvhex("run", "--config", str(bad), timeout=60)
-    assert done.returncode == 1
+    assert done.returncode == 2
     assert str(bad) in done.stderr
     assert "$.run.requestz" in done.stderr
     assert "did you mean 'requests'" in done.stderr
     assert "Traceback" not in done.stderr
     missing = tmp_path / "nope.toml"
     done = kvhex("run", "--config", str(missing), timeout=60)
-    assert done.returncode == 1
+    assert done.returncode == 2
     assert str(missing) in done.stderr
     tier_option = tmp_path / "t.toml"
     tier_option.write_text(
@@ -194,7 +173,7 @@ def test_bad_config_files_name_the_file_and_key(tmp_path: Path) -> None:
         'options = { url = "x", capacity = 5 }\n'
     )
     done = kvhex("run", "--config", str(tier_option), timeout=60)
-    assert done.returncode == 1
+    assert done.returncode == 2
     assert "$.tiers[0].options.capacity" in done.stderr
     assert "$.tiers[0].options.capacity_bytes" in done.stderr  # required, missing
 
@@ -205,7 +184,129 @@ def test_a_bad_workload_line_is_named(tmp_path: Path) -> None:
     done = kvhex(
         "run", "--config", str(small_config(tmp_path)), "--workload", str(workload), timeout=60
     )
-    assert done.returncode == 1
+    assert done.returncode == 2
     assert "line 2.length" in done.stderr
     assert "line 2.colour" in done.stderr
     assert str(workload) in done.stderr
+
+
+def test_two_runs_on_one_tier_root_print_only_json_on_stdout(tmp_path: Path) -> None:
+    config = small_config(tmp_path)
+    first = kvhex("run", "--config", str(config), "--json", "--no-progress")
+    assert first.returncode == 0, first.stderr
+    assert json.loads(first.stdout)["transfers"]["disk put"]["bytes"] > 0
+    assert first.stderr == ""  # warnings only, and there were none
+    # the second finds the first's blocks (the tier logs its recovery): the log goes to
+    # stderr, as JSON lines with --log-format json, and stdout is still one JSON document
+    again = kvhex("run", "--config", str(config), "--json", "--no-progress", "-v")
+    assert again.returncode == 0, again.stderr
+    assert json.loads(again.stdout)["integrity"]["verdict"] == "intact"
+    assert "tier_recovered" in again.stderr
+    logged = kvhex(
+        "--log-format", "json", "run", "--config", str(config), "--json", "--no-progress", "-v"
+    )
+    assert logged.returncode == 0, logged.stderr
+    json.loads(logged.stdout)
+    lines = [json.loads(line) for line in logged.stderr.splitlines()]
+    recovered = [line for line in lines if line["event"] == "tier_recovered"]
+    assert recovered
+    assert recovered[0]["tier"] == "disk"
+    assert recovered[0]["level"] == "info"
+
+
+def peak_of(*args: str, timeout: float = 180) -> tuple[float, int, dict[str, Any]]:
+    """Wall seconds, peak RSS in bytes and the JSON summary of ``kvhex ARGS`` run by a parent
+    of its own (so the peak of its children is this run's alone)."""
+    probe = (
+        "import json, resource, subprocess, sys, time\n"
+        "start = time.monotonic()\n"
+        "done = subprocess.run(sys.argv[1:], capture_output=True, text=True)\n"
+        "wall = time.monotonic() - start\n"
+        "peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024\n"
+        "print(json.dumps([wall, peak, done.returncode, done.stdout, done.stderr]))\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", probe, sys.executable, "-m", "kvhex", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=True,
+    )
+    wall, peak, status, out, err = json.loads(done.stdout)
+    assert status == 0, err
+    summary: dict[str, Any] = json.loads(out)
+    return wall, peak, summary
+
+
+def test_requests_are_made_as_the_run_takes_them_and_the_duration_stops_it() -> None:
+    # --requests used to build every request first: 10**22 of them never started and grew
+    # without bound, 100,000 took over a minute and 3 GB whatever --duration said
+    wall, peak, summary = peak_of(
+        "run", "--requests", "9" * 23, "--duration", "1", "--json", "--no-progress"
+    )
+    assert summary["requests"] >= 1
+    assert 1 <= summary["seconds"] < 30
+    assert peak < 1.5 * 2**30
+    assert wall < 120
+    _, alone_peak, alone = peak_of("run", "--duration", "1", "--json", "--no-progress")
+    assert alone["requests"] >= 1  # --duration alone: as many as fit in the time
+    assert alone["seconds"] >= 1
+    assert alone_peak < 1.5 * 2**30
+
+
+def test_nothing_loaded_back_is_unchecked_not_intact(tmp_path: Path) -> None:
+    workload = tmp_path / "w.jsonl"
+    workload.write_text(json.dumps({"length": 300}) + "\n")
+    done = kvhex("run", "--config", str(small_config(tmp_path)), "--workload", str(workload))
+    assert done.returncode == 0, done.stderr
+    assert "integrity: unchecked (no block was loaded back, so none could be compared)" in (
+        done.stdout
+    )
+    assert "intact" not in done.stdout
+
+
+def test_a_disk_that_fills_mid_run_shows_the_failed_writes(tmp_path: Path) -> None:
+    # a 10 MiB filesystem of its own (a user and mount namespace, no privileges needed)
+    # under a tier whose slabs are 8 MiB: the first fits, the next ones do not
+    unshare = shutil.which("unshare")
+    if unshare is None:
+        pytest.skip("needs unshare(1) to mount a small filesystem")
+    mount = tmp_path / "small-disk"
+    mount.mkdir()
+    config = tmp_path / "kvhex.toml"
+    config.write_text(
+        small_config(tmp_path)
+        .read_text()
+        .replace(
+            f'url = "{tmp_path / "tier"}", capacity_bytes = 67108864',
+            f'url = "{mount / "tier"}", capacity_bytes = 67108864, io_threads = 8',
+        )
+    )
+    script = (
+        f"mount -t tmpfs -o size=10m tmpfs {mount} && exec {sys.executable} -m kvhex run "
+        f"--config {config} --requests 80 --no-progress"
+    )
+    probe = subprocess.run(
+        [unshare, "-rm", "sh", "-c", f"mount -t tmpfs -o size=1m tmpfs {mount}"],
+        capture_output=True,
+        check=False,
+    )
+    if probe.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs in a user namespace here: {probe.stderr!r}")
+    done = subprocess.run(
+        [unshare, "-rm", "sh", "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        check=False,
+    )
+    assert done.returncode == 1, done.stdout + done.stderr
+    out = done.stdout
+    assert "FAILED tier jobs" in out
+    failed = next(line for line in out.splitlines() if line.startswith("disk puts failed"))
+    assert int(failed.split()[-1].replace(",", "")) > 0
+    put = next(line for line in out.splitlines() if line.startswith("disk put "))
+    assert int(put.split()[2].replace(",", "")) > 0  # what fitted was written
+    assert "NOT OK:" in out
+    assert "No space left on device" in done.stderr
+    assert "Traceback" not in done.stderr

@@ -2,8 +2,11 @@
 
 Each subcommand is a module here (found by listing this package) with
 ``add_parser(subparsers)`` (its flags and help) and ``main(args) -> int`` (its exit status).
-Bad flags, config files and arguments exit non-zero with a message naming the flag, key or
-file; no traceback for a user's mistake.
+The frame adds what every command shares: ``--version``, ``-v``/``--verbose`` and
+``--log-format`` (before or after the subcommand), logging to stderr (``cli._logging``), and
+the exit statuses of ``cli._args``. Bad flags, configuration, workload files, endpoints and
+unreachable tiers exit 2 with a message naming the flag, key (with its path) or file; no
+traceback for a user's mistake.
 """
 
 from __future__ import annotations
@@ -15,40 +18,68 @@ import pkgutil
 import sys
 from collections.abc import Sequence
 
-from kvhex.errors import KvhexError
+from kvhex.cli._args import EXIT_FAILED, EXIT_USAGE
+from kvhex.errors import ConfigError, KvhexError, PluginError, TierUnavailable
 
-__all__ = ["main"]
+__all__ = ["build_parser", "main"]
 
 ORDER = ("run", "bench", "tiers", "events", "fsck")
 """How ``kvhex --help`` orders the subcommands (any other module here comes after)."""
 
-EXIT_USAGE = 2
-EXIT_FAILED = 1
+
+def _logging_flags(parser: argparse.ArgumentParser, *, top: bool) -> None:
+    """``-v`` and ``--log-format``; on a subcommand they default to what the top level set."""
+    parser.add_argument(
+        "-v",
+        "--verbose",
+        action="count",
+        default=0 if top else argparse.SUPPRESS,
+        help="log more on stderr: -v info, -vv debug (default: warnings only)",
+    )
+    parser.add_argument(
+        "--log-format",
+        choices=("text", "json"),
+        default="text" if top else argparse.SUPPRESS,
+        help="log lines on stderr as text (default) or JSON objects",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
     """The parser with every subcommand registered."""
+    from kvhex import __version__
+
     parser = argparse.ArgumentParser(
         prog="kvhex",
         description="Multi-tier KV-cache offloading: run a workload through the tiers, "
         "benchmark them, list plugins, watch KV events, check a file tier.",
+        epilog="Exit status: 0 ok; 1 the command ran and found something wrong; 2 bad input "
+        "(nothing ran); 3 nothing to judge. docs/cli.md has the details.",
     )
+    parser.add_argument("--version", action="version", version=f"kvhex {__version__}")
+    _logging_flags(parser, top=True)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     found = [m.name for m in pkgutil.iter_modules(__path__) if not m.name.startswith("_")]
     for name in sorted(found, key=lambda n: (ORDER.index(n) if n in ORDER else len(ORDER), n)):
         module = importlib.import_module(f"kvhex.cli.{name}")
         command = module.add_parser(sub)
+        _logging_flags(command, top=False)
         command.set_defaults(handler=module.main)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``kvhex`` script; returns the exit status."""
+    from kvhex.cli._logging import configure_logging
+
     parser = build_parser()
     args = parser.parse_args(argv)
+    configure_logging(args.verbose, args.log_format)
     try:
         status: int = args.handler(args)
-    except KvhexError as exc:  # a configuration or environment problem the user can fix
+    except (ConfigError, PluginError, TierUnavailable) as exc:  # nothing ran: input or reach
+        print(f"kvhex {args.command}: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except KvhexError as exc:  # something failed while running
         print(f"kvhex {args.command}: {exc}", file=sys.stderr)
         return EXIT_FAILED
     except KeyboardInterrupt:

@@ -143,6 +143,14 @@ class StreamLedger:
         """No gap, regression, undecodable batch, unexplained removal or other problem."""
         return not self.failures()
 
+    @property
+    def verdict(self) -> str:
+        """``consistent``, ``inconsistent``, or ``nothing received`` (no batch arrived, so
+        nothing can be said of the stream: never reported as consistent)."""
+        if not self.consistent:
+            return "inconsistent"
+        return "consistent" if self.batches else "nothing received"
+
     def summary(self) -> dict[str, Any]:
         """Everything above as JSON-ready builtins."""
         return {
@@ -160,4 +168,5 @@ class StreamLedger:
             "blocks": self.blocks(),
             "problems": self.failures(),
             "consistent": self.consistent,
+            "verdict": self.verdict,
         }

@@ -3,7 +3,7 @@ from a ``KvhexConfig`` and closed in reverse order."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable
 from types import TracebackType
 from typing import Any
 
@@ -18,7 +18,7 @@ from kvhex.domain.slot_layout import SlotLayout
 from kvhex.errors import ConfigError
 from kvhex.plugins import Registry
 from kvhex.sim.driver import Replay, RunReport, run_all
-from kvhex.sim.workload import Request, read_workload, synthetic_chat
+from kvhex.sim.workload import Request
 
 __all__ = ["RUN_HASH_SCHEME", "RUN_HOST_LAYOUT", "Stack", "run_namespace"]
 
@@ -135,24 +135,17 @@ class Stack:
             tier_names=[t.name or t.type for t in config.tiers],
         )
 
-    def requests(self, workload: str | None) -> list[Request]:
-        """The workload file's requests, or the synthetic chat; at most ``run.requests``."""
-        run = self.config.run
-        if workload:
-            return read_workload(workload, seed=run.seed, limit=run.requests)
-        return synthetic_chat(
-            run.requests, seed=run.seed, tokens_per_chunk=self.geometry.groups[0].tokens_per_chunk
-        )
-
     def run(
         self,
-        requests: Sequence[Request],
+        requests: Iterable[Request],
         *,
         duration_s: float | None = None,
-        progress: Callable[[Replay, int, int], None] | None = None,
+        total: int | None = None,
+        progress: Callable[[Replay, int, int | None], None] | None = None,
     ) -> RunReport:
-        """Replay ``requests`` and report."""
-        return run_all(self.replay, requests, duration_s=duration_s, progress=progress)
+        """Replay ``requests``, taking each when its turn comes, and report (``total``: what
+        ``progress`` is told the run aims at, ``None`` when it runs until ``duration_s``)."""
+        return run_all(self.replay, requests, duration_s=duration_s, total=total, progress=progress)
 
     def close(self) -> None:
         """Close what was built, last first; keeps going past failures."""

@@ -22,13 +22,12 @@ from typing import Any
 
 import attrs
 
+from kvhex.cli._args import EXIT_FAILED, EXIT_USAGE, positive
+
 __all__ = ["BENCHMARKS", "add_parser", "find_bench_dir", "main"]
 
 BENCHMARKS = ("primary_tier", "tiering", "events", "tiers", "gpu_transfer")
 """The scripts of ``bench/`` (without ``.py``), in the order they run."""
-
-EXIT_USAGE = 2
-EXIT_FAILED = 1
 
 
 @attrs.frozen
@@ -99,15 +98,10 @@ def add_parser(
     parser.add_argument(
         "--timeout",
         metavar="SECONDS",
-        type=float,
+        type=positive(float),
         help="stop a benchmark that runs longer (default: no limit)",
     )
-    parser.add_argument(
-        "-v",
-        "--verbose",
-        action="store_true",
-        help="show each benchmark's own report as it runs (on stderr)",
-    )
+    # -v (the frame's) also shows each benchmark's own report as it runs, on stderr
     return parser
 
 
@@ -280,7 +274,7 @@ def main(args: argparse.Namespace) -> int:
                 bench_dir / f"{name}.py",
                 quick=args.quick,
                 timeout=args.timeout,
-                verbose=args.verbose,
+                verbose=args.verbose > 0,
             )
         )
     if args.json:

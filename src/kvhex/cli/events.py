@@ -1,35 +1,37 @@
-"""``kvhex events ENDPOINT``: watch a KV-event stream and check that it adds up.
+"""``kvhex events ENDPOINT|FILE``: watch a KV-event stream, or read one, and check that it
+adds up.
 
 Subscribes to a ZMQ KV-event publisher, kvhex's ``ZmqEventSink`` or vLLM's
 ``ZmqEventPublisher`` (same framing: ``(topic, sequence as 8-byte big-endian, msgpack
-batch)``), decodes each batch with kvhex's wire structs and prints every event on one line
-(or as one JSON object with ``--json``). With ``--replay`` it first asks the publisher's
-replay socket for every batch it still buffers from ``--from-seq`` on, as vLLM's replay
-protocol does, and asks again when the live stream skips a sequence; batches seen twice are
-shown once. It stops after ``--count`` events or ``--duration`` seconds (or on Ctrl-C) and
-prints what a consumer replaying the stream ends up with (``kvhex.cli._ledger``); the exit
-status is 1 when the stream is inconsistent, 2 when it cannot be watched at all.
+batch)``), by connecting to ENDPOINT (``--bind``: binding it, for a publisher that connects),
+decodes each batch with kvhex's wire structs and prints every event on one line (or as one
+JSON object with ``--json``). With ``--replay`` it first asks the publisher's replay socket for
+every batch it still buffers from ``--from-seq`` on, as vLLM's replay protocol does, and asks
+again when the live stream skips a sequence; batches seen twice are shown once. It stops
+after ``--count`` events or ``--duration`` seconds (or on Ctrl-C). A FILE (anything without
+``://``) is a JSONL file kvhex's ``jsonl`` sink wrote, read whole the same way.
+
+Then it prints what a consumer replaying the stream ends up with (``kvhex.cli._ledger``).
+Exit status: 0 consistent, 1 inconsistent, 2 a bad flag, endpoint or file, 3 nothing received
+(no publisher within ``--duration``, or a publisher that sent nothing, or an empty file).
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import datetime
-import json
 import os
 import sys
 import time
-from typing import Any, TextIO
+from typing import Any
 
-from kvhex.cli._args import positive
+from kvhex.adapters.events.endpoints import endpoint_problem, is_endpoint, refusal
+from kvhex.cli._args import EXIT_FAILED, EXIT_NOTHING, EXIT_OK, fail, positive
+from kvhex.cli._event_printer import EventPrinter
 
 __all__ = ["add_parser", "main"]
 
-EXIT_INCONSISTENT = 1
-EXIT_USAGE = 2
-SHORT_HASH = 16
-"""Hex digits of a hash shown in text lines (``--json`` shows them whole)."""
+REPLAY_TIMEOUT_S = 5.0
 
 
 def _sequence(text: str) -> int:
@@ -48,17 +50,19 @@ def add_parser(
     """Register ``kvhex events`` and its flags."""
     parser = subparsers.add_parser(
         "events",
-        help="watch a KV-event stream (kvhex's or vLLM's ZMQ publisher) and check it adds up",
-        description="Subscribe to a ZMQ KV-event publisher (kvhex's or vLLM's), print each "
-        "event, and report at the end whether the stream is consistent: sequence gaps, "
-        "removals of blocks never stored, duplicate stores, AllBlocksCleared, and the "
-        "blocks each medium holds. Exit 1 when inconsistent.",
+        help="watch a KV-event stream (kvhex's or vLLM's ZMQ publisher, or a kvhex JSONL "
+        "file) and check it adds up",
+        description="Subscribe to a ZMQ KV-event publisher (kvhex's or vLLM's), or read a "
+        "JSONL file kvhex wrote, print each event, and report at the end whether the stream "
+        "is consistent: sequence gaps, removals of blocks never stored, duplicate stores, "
+        "AllBlocksCleared, and the blocks each medium holds. Exit 0 consistent, 1 "
+        "inconsistent, 2 bad input, 3 nothing received.",
     )
     parser.add_argument(
         "endpoint",
         metavar="ENDPOINT",
-        help="the publisher's PUB address, e.g. tcp://127.0.0.1:5557 (for a publisher that "
-        "connects instead of binding, add --bind)",
+        help="the publisher's PUB address to connect to, e.g. tcp://127.0.0.1:5557 (--bind "
+        "binds it instead, for a publisher that connects), or a JSONL FILE kvhex wrote",
     )
     parser.add_argument(
         "--replay",
@@ -81,8 +85,7 @@ def add_parser(
         "--replay-timeout",
         metavar="S",
         type=positive(float),
-        default=5.0,
-        help="how long to wait for each replay message (default 5)",
+        help=f"how long to wait for each replay message (default {REPLAY_TIMEOUT_S:g})",
     )
     parser.add_argument("--topic", default="", help="topic prefix to subscribe to (default all)")
     parser.add_argument(
@@ -97,123 +100,33 @@ def add_parser(
     return parser
 
 
-def _hash(value: bytes | int | None, *, short: bool) -> str | int | None:
-    if value is None:
-        return None
-    if isinstance(value, int):
-        return value if not short else f"{value & 0xFFFF_FFFF_FFFF_FFFF:016x}"
-    text = value.hex()
-    return text[:SHORT_HASH] if short else text
-
-
-def _plain(value: Any) -> Any:
-    """JSON-ready builtins of an event field (bytes as hex)."""
-    if isinstance(value, bytes):
-        return value.hex()
-    if isinstance(value, (list, tuple)):
-        return [_plain(v) for v in value]
-    return value
-
-
-class _Printer:
-    """Prints events as text lines or JSON objects."""
-
-    def __init__(self, out: TextIO, *, as_json: bool, quiet: bool) -> None:
-        self.out = out
-        self.as_json = as_json
-        self.quiet = quiet
-
-    def event(self, seq: int, ts: float, rank: int | None, event: Any, replayed: bool) -> None:
-        if self.quiet:
-            return
-        import msgspec
-
-        kind = type(event).__name__
-        if self.as_json:
-            fields = {k: _plain(v) for k, v in msgspec.structs.asdict(event).items()}
-            record = {"seq": seq, "ts": ts, "data_parallel_rank": rank, "replayed": replayed}
-            self.out.write(json.dumps({**record, "type": kind, **fields}) + "\n")
-            return
-        from kvhex.cli._ledger import residency_label
-
-        when = datetime.datetime.fromtimestamp(ts, datetime.timezone.utc)
-        parts = [f"{seq:>6}", when.isoformat(timespec="milliseconds"), f"{kind:<16}"]
-        hashes = getattr(event, "block_hashes", None)
-        if hashes is not None:
-            medium = residency_label(event.medium, event.locality, event.ownership)
-            first = _hash(hashes[0], short=True) if hashes else "-"
-            parts += [f"{medium:<20}", f"blocks={len(hashes)}", f"first={first}"]
-        if kind == "BlockStored":
-            lora = event.lora_name or (event.lora_id if event.lora_id is not None else "-")
-            parts += [
-                f"parent={_hash(event.parent_block_hash, short=True) or '-'}",
-                f"block_size={event.block_size}",
-                f"lora={lora}",
-                f"tokens={len(event.token_ids)}",
-            ]
-        if replayed:
-            parts.append("(replayed)")
-        self.out.write(" ".join(parts) + "\n")
-
-    def bad(self, seq: int, error: str) -> None:
-        if self.quiet:
-            return
-        if self.as_json:
-            self.out.write(json.dumps({"seq": seq, "type": "Undecodable", "error": error}) + "\n")
-        else:
-            self.out.write(f"{seq:>6} undecodable batch: {error}\n")
-
-    def summary(self, summary: dict[str, Any]) -> None:
-        if self.as_json:
-            self.out.write(json.dumps({"type": "Summary", **summary}) + "\n")
-            return
-        lines = ["--"]
-        seqs = f" (seq {summary['first_seq']}-{summary['last_seq']})" if summary["batches"] else ""
-        counted = ", ".join(f"{n} {kind}" for kind, n in summary["events"].items()) or "none"
-        lines.append(f"batches {summary['batches']}{seqs}; events: {counted}")
-        gaps = ", ".join(f"{a}" if a == b else f"{a}-{b}" for a, b in summary["gaps"])
-        lines.append(f"sequence gaps: {f'missing {gaps}' if gaps else 'none'}")
-        if summary["sequence_regressions"]:
-            went = ", ".join(f"{a}->{b}" for a, b in summary["sequence_regressions"])
-            lines.append(f"sequence went back: {went}")
-        if summary["undecodable"]:
-            lines.append(f"undecodable batches: {summary['undecodable']}")
-        unknown = _per_medium(summary["unknown_removals"])
-        if summary["joined_late"] and summary["unknown_removals"]:
-            unknown += " (joined at a later sequence without --replay: not counted)"
-        lines.append(f"removals of hashes not stored: {unknown}")
-        dups = _per_medium(summary["duplicate_stores"])
-        lines.append(f"duplicate stores without removal: {dups}")
-        lines.append(f"AllBlocksCleared: {summary['all_blocks_cleared']}")
-        lines.append(f"blocks held at the end: {_per_medium(summary['blocks'])}")
-        if summary["consistent"]:
-            lines.append("consistent")
-        else:
-            lines.append("INCONSISTENT: " + "; ".join(summary["problems"]))
-        self.out.write("\n".join(lines) + "\n")
-
-
-def _per_medium(counts: dict[str, int]) -> str:
-    return ", ".join(f"{medium} {n}" for medium, n in counts.items()) or "none"
-
-
 class _Watch:
     """One subscription: replays, live batches, de-duplication and limits."""
 
-    def __init__(self, args: argparse.Namespace, sub: Any, dealer: Any, printer: _Printer) -> None:
+    def __init__(
+        self,
+        args: argparse.Namespace,
+        sub: Any,
+        dealer: Any,
+        printer: EventPrinter,
+        monitor: Any = None,
+    ) -> None:
         from kvhex.cli._ledger import StreamLedger
 
         self.sub = sub
         self.dealer = dealer
+        self.monitor = monitor
         self.printer = printer
         self.topic = args.topic.encode()
         self.count: int | None = args.count
         self.deadline = time.monotonic() + args.duration if args.duration else None
-        self.replay_timeout_ms = int(args.replay_timeout * 1000)
+        self.replay_timeout_ms = int((args.replay_timeout or REPLAY_TIMEOUT_S) * 1000)
         self.ledger = StreamLedger(expected_first=args.from_seq if dealer is not None else None)
         self.from_seq: int = args.from_seq
         self.seen = 0
         self.last: int | None = None
+        self.peer = False
+        """A publisher was seen: a connection, a replay answer or a message."""
 
     def done(self) -> bool:
         if self.count is not None and self.seen >= self.count:
@@ -227,8 +140,10 @@ class _Watch:
             timeout_ms = 100
             if self.deadline is not None:
                 timeout_ms = max(1, min(100, int((self.deadline - time.monotonic()) * 1000)))
+            self.watch_peer()
             if not self.sub.poll(timeout_ms):
                 continue
+            self.peer = True
             frames = self.sub.recv_multipart()
             if len(frames) != 3 or len(frames[1]) != 8:
                 self.ledger.problems.append(f"a message of {len(frames)} frames, not 3")
@@ -243,6 +158,12 @@ class _Watch:
                     self.replay(floor + 1, seq)
             self.handle(seq, payload, replayed=False)
 
+    def watch_peer(self) -> None:
+        """Note a connection made to or from the SUB socket (its monitor's events)."""
+        while self.monitor is not None and not self.peer and self.monitor.poll(0):
+            self.monitor.recv_multipart()  # only connected / accepted events are asked for
+            self.peer = True
+
     def replay(self, start: int, stop: int | None) -> None:
         """Ask for every buffered batch from ``start`` (below ``stop``) and handle it."""
         self.dealer.send_multipart((b"", start.to_bytes(8, "big")))
@@ -255,6 +176,7 @@ class _Watch:
                 self.dealer = None
                 return
             frames = self.dealer.recv_multipart()
+            self.peer = True
             if frames and frames[0] == b"":
                 frames = frames[1:]  # the DEALER's empty delimiter
             if len(frames) != 3 or len(frames[1]) != 8:
@@ -292,45 +214,180 @@ class _Watch:
         self.printer.out.flush()
 
 
+def _check_flags(args: argparse.Namespace) -> str | None:
+    """What argparse cannot check alone, as the message to fail with (``None``: fine)."""
+    if is_endpoint(args.endpoint):
+        return _check_endpoints(args)
+    if not os.path.isfile(args.endpoint):
+        found = "a directory" if os.path.isdir(args.endpoint) else "no such file"
+        return (
+            f"ENDPOINT {args.endpoint}: neither a ZMQ endpoint (tcp://HOST:PORT, "
+            f"ipc://PATH) nor a JSONL file kvhex wrote ({found})"
+        )
+    zmq_only = [
+        flag
+        for flag, given in (
+            ("--replay", args.replay is not None),
+            ("--from-seq", args.from_seq != 0),
+            ("--replay-timeout", args.replay_timeout is not None),
+            ("--topic", args.topic != ""),
+            ("--bind", args.bind),
+            ("--duration", args.duration is not None),
+        )
+        if given
+    ]
+    if zmq_only:
+        return (
+            f"{', '.join(zmq_only)}: apply to a ZMQ ENDPOINT, and {args.endpoint} is read "
+            "as a JSONL FILE (an endpoint looks like tcp://HOST:PORT)"
+        )
+    return None
+
+
+def _check_endpoints(args: argparse.Namespace) -> str | None:
+    """ENDPOINT and ``--replay``, and the flags that need ``--replay``."""
+    for flag, endpoint, bind in (
+        ("ENDPOINT", args.endpoint, args.bind),
+        ("--replay", args.replay, False),
+    ):
+        if endpoint is None:
+            continue
+        problem = endpoint_problem(endpoint, bind=bind)
+        if problem is None and endpoint.startswith("inproc://"):
+            problem = "inproc:// reaches only this process: use tcp://HOST:PORT or ipc://PATH"
+        if problem is not None:
+            return f"{flag} {endpoint}: {problem}"
+    if args.replay is None and (args.from_seq or args.replay_timeout is not None):
+        flag = "--from-seq" if args.from_seq else "--replay-timeout"
+        return f"{flag}: applies to --replay, which is not given"
+    return None
+
+
+def _verdict(watch: _Watch | _FileWatch, what: str) -> int:
+    """Print the summary; the exit status (and why on stderr when nothing was received)."""
+    summary = watch.ledger.summary()
+    watch.printer.summary(summary)
+    sys.stdout.flush()
+    if summary["verdict"] == "inconsistent":
+        return EXIT_FAILED
+    if summary["verdict"] == "nothing received":
+        return fail("events", what, EXIT_NOTHING)
+    return EXIT_OK
+
+
+class _FileWatch:
+    """One JSONL file read whole, into the same ledger and printer as a live stream."""
+
+    def __init__(self, args: argparse.Namespace, printer: EventPrinter) -> None:
+        from kvhex.cli._ledger import StreamLedger
+
+        self.path: str = args.endpoint
+        self.printer = printer
+        self.count: int | None = args.count
+        self.ledger = StreamLedger(expected_first=0)
+        self.seen = 0
+
+    def run(self) -> None:
+        from kvhex.adapters.events.jsonl import read_batches
+
+        for number, seq, batch in read_batches(self.path):
+            if self.count is not None and self.seen >= self.count:
+                return
+            if isinstance(batch, str):
+                self.ledger.bad_batch(seq)
+                self.printer.bad(seq, f"line {number}: {batch}")
+                continue
+            self.ledger.batch(seq)
+            for event in batch.events:
+                if self.count is not None and self.seen >= self.count:
+                    break
+                self.ledger.event(event)
+                self.printer.event(seq, batch.ts, batch.data_parallel_rank, event, False)
+                self.seen += 1
+        self.printer.out.flush()
+
+
 def main(args: argparse.Namespace) -> int:
-    """Watch the stream, print it and its consistency; 0 consistent, 1 not, 2 unwatchable."""
+    """Watch the stream (or read the file), print it and its consistency; exit 0 consistent,
+    1 not, 2 bad input, 3 nothing received."""
+    problem = _check_flags(args)
+    if problem is not None:
+        return fail("events", problem)
     try:
         import msgspec  # noqa: F401
-        import zmq
+
+        if is_endpoint(args.endpoint):
+            import zmq
     except ImportError as exc:
-        print(
-            f"kvhex events: needs pyzmq and msgspec ({exc.name} is missing): "
-            "pip install 'kvhex[zmq]'",
-            file=sys.stderr,
+        return fail(
+            "events", f"needs pyzmq and msgspec ({exc.name} is missing): pip install 'kvhex[zmq]'"
         )
-        return EXIT_USAGE
+    printer = EventPrinter(sys.stdout, as_json=args.json, quiet=args.quiet)
+    try:
+        if not is_endpoint(args.endpoint):
+            return _read_file(args, printer)
+        return _subscribe(args, printer, zmq)
+    except BrokenPipeError:  # the reader went away (``| head``): stop quietly
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # for the exit flush
+        return EXIT_OK
+
+
+def _read_file(args: argparse.Namespace, printer: EventPrinter) -> int:
+    watch = _FileWatch(args, printer)
+    try:
+        watch.run()
+    except (OSError, UnicodeDecodeError) as exc:
+        why = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+        return fail(
+            "events",
+            f"ENDPOINT {args.endpoint}: neither a ZMQ endpoint (tcp://HOST:PORT, ipc://PATH) "
+            f"nor a readable JSONL file: {why}",
+        )
+    return _verdict(watch, f"FILE {args.endpoint} holds no batch")
+
+
+def _subscribe(args: argparse.Namespace, printer: EventPrinter, zmq: Any) -> int:
     ctx = zmq.Context()
     sub = ctx.socket(zmq.SUB)
     sub.setsockopt(zmq.SUBSCRIBE, args.topic.encode())
-    dealer = None
     watch: _Watch | None = None
     try:
+        monitor = sub.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_ACCEPTED)
         try:
+            if "[" in args.endpoint:
+                sub.setsockopt(zmq.IPV6, 1)
             (sub.bind if args.bind else sub.connect)(args.endpoint)
         except zmq.ZMQError as exc:
-            print(f"kvhex events: ENDPOINT {args.endpoint}: {exc}", file=sys.stderr)
-            return EXIT_USAGE
+            problem = refusal(exc.errno, exc.strerror, bind=args.bind)
+            return fail("events", f"ENDPOINT {args.endpoint}: {problem}")
+        if args.bind:  # the port a publisher connects to (``*`` resolved)
+            bound = sub.getsockopt_string(zmq.LAST_ENDPOINT)
+            print(f"kvhex events: listening on {bound}", file=sys.stderr, flush=True)
+        dealer = None
         if args.replay is not None:
             dealer = ctx.socket(zmq.DEALER)
             try:
+                if "[" in args.replay:
+                    dealer.setsockopt(zmq.IPV6, 1)
                 dealer.connect(args.replay)
             except zmq.ZMQError as exc:
-                print(f"kvhex events: --replay {args.replay}: {exc}", file=sys.stderr)
-                return EXIT_USAGE
-        printer = _Printer(sys.stdout, as_json=args.json, quiet=args.quiet)
-        watch = _Watch(args, sub, dealer, printer)
+                problem = refusal(exc.errno, exc.strerror, bind=False)
+                return fail("events", f"--replay {args.replay}: {problem}")
+        watch = _Watch(args, sub, dealer, printer, monitor)
         with contextlib.suppress(KeyboardInterrupt):  # Ctrl-C ends the watch, not the report
             watch.run()
-        printer.summary(watch.ledger.summary())
-        sys.stdout.flush()
-        return 0 if watch.ledger.consistent else EXIT_INCONSISTENT
-    except BrokenPipeError:  # the reader went away (``| head``): stop quietly
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # for the exit flush
-        return 0 if watch is None or watch.ledger.consistent else EXIT_INCONSISTENT
+        watch.watch_peer()
+        within = f" within {args.duration:g} s" if args.duration else ""
+        if watch.peer:
+            what = f"a publisher was connected to {args.endpoint} but sent nothing{within}"
+        elif args.bind:
+            what = f"no publisher connected to {args.endpoint}{within}"
+        else:
+            what = (
+                f"no publisher at {args.endpoint}{within}: nothing there accepted the "
+                "connection (is it running, and bound there? kvhex run --events binds; "
+                "for a publisher that connects, add --bind)"
+            )
+        return _verdict(watch, what)
     finally:
         ctx.destroy(linger=0)

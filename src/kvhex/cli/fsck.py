@@ -4,19 +4,18 @@ A thin front of :func:`kvhex.adapters.storage.files.fsck.check_root` (which says
 checked and how it stays read-only). Exit status: 0 when every namespace is clean (orphans,
 unfinished slabs and foreign files are reported but harmless), 1 when a block is corrupt or
 missing or a namespace has a problem, 2 when ROOT cannot be checked at all (missing, not a
-directory) or a flag is bad.
+directory, unreadable) or a flag is bad, 3 when ROOT holds no kvhex tier.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import sys
+
+from kvhex.cli._args import EXIT_FAILED, EXIT_NOTHING, fail
 
 __all__ = ["add_parser", "main"]
 
-EXIT_NOT_CLEAN = 1
-EXIT_USAGE = 2
 SHOWN = 10
 """Orphans listed without ``--verbose``."""
 
@@ -30,7 +29,8 @@ def add_parser(
         help="verify a local file tier read-only (checksums, index, orphans, foreign files)",
         description="Verify the local file tier under ROOT without modifying it or taking its "
         "locks: every index row's block is where it says and matches its checksum. Exit 0 "
-        "when clean, 1 when anything is corrupt or missing, 2 when ROOT cannot be checked.",
+        "when clean, 1 when anything is corrupt or missing, 2 when ROOT cannot be checked, "
+        "3 when ROOT holds no kvhex tier.",
     )
     parser.add_argument(
         "root",
@@ -38,9 +38,7 @@ def add_parser(
         help="the tier's root directory (the url of a local fsspec tier), or one namespace in it",
     )
     parser.add_argument("--json", action="store_true", help="one JSON document instead of text")
-    parser.add_argument(
-        "-v", "--verbose", action="store_true", help="list every orphan, not just the first few"
-    )
+    # -v (the frame's) also lists every orphan, not just the first few
     return parser
 
 
@@ -58,22 +56,26 @@ def main(args: argparse.Namespace) -> int:
     try:
         from kvhex.adapters.storage.files.fsck import check_root
     except ImportError as exc:
-        print(
-            f"kvhex fsck: needs the file tier's packages ({exc.name}): pip install 'kvhex[files]'",
-            file=sys.stderr,
+        return fail(
+            "fsck", f"needs the file tier's packages ({exc.name}): pip install 'kvhex[files]'"
         )
-        return EXIT_USAGE
     try:
         report = check_root(args.root)
-    except (FileNotFoundError, NotADirectoryError) as exc:
-        print(f"kvhex fsck: ROOT {args.root}: {exc.strerror}", file=sys.stderr)
-        return EXIT_USAGE
-    except PermissionError as exc:
-        print(f"kvhex fsck: ROOT {args.root}: {exc.strerror}", file=sys.stderr)
-        return EXIT_USAGE
+    except OSError as exc:
+        return fail("fsck", f"ROOT {args.root}: {exc.strerror or exc}")
     if args.json:
         print(json.dumps(report.as_dict(), indent=2))
-        return 0 if report.clean else EXIT_NOT_CLEAN
+    if not report.namespaces:
+        n = len(report.foreign)
+        found = f" ({n} entries, none a kvhex namespace)" if n else " (it is empty)"
+        return fail(
+            "fsck",
+            f"ROOT {args.root} holds no kvhex tier{found}: pass the directory a local fsspec "
+            "tier's url names, or one namespace directory in it",
+            EXIT_NOTHING,
+        )
+    if args.json:
+        return 0 if report.clean else EXIT_FAILED
     print(f"kvhex fsck {report.root}")
     for ns in report.namespaces:
         print(
@@ -96,8 +98,6 @@ def main(args: argparse.Namespace) -> int:
             print(f"  foreign {name} (ignored by the tier)")
     for name in report.foreign:
         print(f"foreign {name} (not a namespace; ignored by the tier)")
-    if not report.namespaces:
-        print("no namespaces found")
     if report.clean:
         print("clean")
         return 0
@@ -108,4 +108,4 @@ def main(args: argparse.Namespace) -> int:
         f"NOT CLEAN: {corrupt} corrupt and {missing} missing block(s), "
         f"{problems} namespace problem(s)"
     )
-    return EXIT_NOT_CLEAN
+    return EXIT_FAILED

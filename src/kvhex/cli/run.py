@@ -14,12 +14,13 @@ import shutil
 import sys
 import tempfile
 import time
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any
 
 import attrs
 
-from kvhex.cli._args import positive
+from kvhex.adapters.events.endpoints import endpoint_problem, is_endpoint
+from kvhex.cli._args import EXIT_FAILED, EXIT_OK, fail, positive
 from kvhex.config.loader import load_config
 from kvhex.config.model import (
     KvhexConfig,
@@ -30,6 +31,10 @@ from kvhex.config.model import (
     SinkConfig,
     TierConfig,
 )
+from kvhex.errors import ConfigError
+
+if TYPE_CHECKING:
+    from kvhex.sim.workload import Request
 
 __all__ = ["add_parser", "main"]
 
@@ -57,27 +62,46 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     p.add_argument(
         "--tier",
         action="append",
+        type=_text,
         metavar="URL",
         help="a file tier: a directory, or s3://bucket/prefix (repeatable; replaces the "
         "configured tiers)",
     )
     p.add_argument("--tier-capacity", type=_size, metavar="BYTES", help="bytes per --tier")
-    p.add_argument("--s3-endpoint", metavar="URL", help="endpoint of s3:// tiers")
+    p.add_argument("--s3-endpoint", type=_text, metavar="URL", help="endpoint of s3:// tiers")
     p.add_argument("--host-capacity", type=_size, metavar="BYTES", help="host tier bytes")
     p.add_argument("--requests", type=positive(int), metavar="N", help="requests to replay")
     p.add_argument(
-        "--duration", type=positive(float), metavar="SECONDS", help="stop after this long"
+        "--duration",
+        type=positive(float),
+        metavar="SECONDS",
+        help="stop after this long (alone: replay until then)",
     )
     p.add_argument(
         "--events",
-        metavar="PATH|tcp://...",
-        help="also publish KV events: a JSONL file, or a ZMQ PUB endpoint",
+        action="append",
+        type=_text,
+        metavar="FILE|tcp://...",
+        help="also publish KV events: a JSONL file (replaced), or a ZMQ endpoint the PUB "
+        "socket binds (repeatable)",
+    )
+    p.add_argument(
+        "--events-replay",
+        type=_text,
+        metavar="tcp://...",
+        help="bind a replay socket for the first ZMQ --events, so a late subscriber misses nothing",
     )
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), help="device KV cache")
     p.add_argument("--seed", type=int, help="workload and KV bytes seed")
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
     p.add_argument("--no-progress", action="store_true", help="no live progress line")
     return p
+
+
+def _text(text: str) -> str:
+    if not text.strip():
+        raise argparse.ArgumentTypeError("must not be empty")
+    return text
 
 
 def _size(text: str) -> int:
@@ -87,15 +111,57 @@ def _size(text: str) -> int:
     number = raw[:-1] if raw[-1:] in units else raw
     try:
         value = int(float(number) * scale)
-    except ValueError:
+    except (ValueError, OverflowError):
         raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 512MiB, 2GiB)") from None
     if value <= 0:
         raise argparse.ArgumentTypeError(f"must be greater than 0: {text!r}")
     return value
 
 
-def _configure(args: argparse.Namespace, scratch: str) -> KvhexConfig:
-    """The configuration to run: the file's or the embedded default, with flags applied."""
+class _Usage(Exception):
+    """Flags that do not go together (argparse cannot tell); the message names them."""
+
+
+def _check_flags(args: argparse.Namespace) -> None:
+    """What argparse cannot check alone: flags that need another, and endpoints.
+
+    Raises:
+        _Usage: naming the flag and what would be right.
+    """
+    s3 = [url for url in args.tier or () if url.startswith("s3://")]
+    if args.s3_endpoint and not s3:
+        raise _Usage(
+            f"--s3-endpoint {args.s3_endpoint}: no s3:// tier to send it to; add --tier "
+            "s3://BUCKET/PREFIX (a configured S3 tier takes endpoint_url in its "
+            "storage_options)"
+        )
+    if args.tier_capacity and not args.tier:
+        raise _Usage(
+            "--tier-capacity: sizes the --tier tiers, and none is given; add --tier URL (a "
+            "configured tier takes capacity_bytes in its options)"
+        )
+    zmq = [e for e in args.events or () if is_endpoint(e)]
+    if args.events_replay and not zmq:
+        raise _Usage(
+            f"--events-replay {args.events_replay}: replays a ZMQ stream, and no --events "
+            "is a ZMQ endpoint; add --events tcp://127.0.0.1:PORT"
+        )
+    for flag, endpoint in [
+        *(("--events", e) for e in zmq),
+        ("--events-replay", args.events_replay),
+    ]:
+        if endpoint is None:
+            continue
+        problem = endpoint_problem(endpoint, bind=True)
+        if problem is None and endpoint.startswith("inproc://"):
+            problem = "inproc:// reaches only this process: use tcp://HOST:PORT or ipc://PATH"
+        if problem is not None:
+            raise _Usage(f"{flag} {endpoint}: {problem}")
+
+
+def _configure(args: argparse.Namespace, scratch: str) -> tuple[KvhexConfig, dict[str, str]]:
+    """The configuration to run: the file's or the embedded default, with flags applied; and
+    which flag each configuration path came from (to name it in errors)."""
     if args.config:
         config = load_config(args.config)
     else:
@@ -103,30 +169,40 @@ def _configure(args: argparse.Namespace, scratch: str) -> KvhexConfig:
             primary=PrimaryConfig(capacity_bytes=PositiveInt(DEFAULT_HOST_BYTES)),
             tiers=(_file_tier(scratch, DEFAULT_TIER_BYTES, None, 0),),
         )
+    flags: dict[str, str] = {}
     primary = config.primary
     if args.host_capacity:
         primary = attrs.evolve(primary, capacity_bytes=PositiveInt(args.host_capacity))
+        flags["$.primary.capacity_bytes"] = f"--host-capacity {args.host_capacity}"
     tiers = config.tiers
     if args.tier:
         capacity = args.tier_capacity or DEFAULT_TIER_BYTES
         tiers = tuple(
             _file_tier(url, capacity, args.s3_endpoint, i) for i, url in enumerate(args.tier)
         )
+        flags.update({f"$.tiers[{i}]": f"--tier {url}" for i, url in enumerate(args.tier)})
     sinks = config.sinks
-    if args.events:
-        if args.events.startswith(("tcp://", "ipc://", "inproc://")):
-            sinks += (
-                SinkConfig(type=PluginName("zmq"), options=Options({"endpoint": args.events})),
-            )
+    replay = args.events_replay
+    for events in args.events or ():
+        flags[f"$.sinks[{len(sinks)}]"] = f"--events {events}"
+        if is_endpoint(events):
+            options: dict[str, Any] = {"endpoint": events}
+            if replay:
+                options["replay_endpoint"] = replay
+                flags[f"$.sinks[{len(sinks)}]"] += f" --events-replay {replay}"
+                replay = None
+            sinks += (SinkConfig(type=PluginName("zmq"), options=Options(options)),)
         else:
-            sinks += (SinkConfig(type=PluginName("jsonl"), options=Options({"path": args.events})),)
+            sinks += (SinkConfig(type=PluginName("jsonl"), options=Options({"path": events})),)
     run = attrs.evolve(
         config.run,
         requests=args.requests or config.run.requests,
         seed=config.run.seed if args.seed is None else args.seed,
         device=args.device or config.run.device,
     )
-    return KvhexConfig(primary=primary, tiers=tiers, sinks=sinks, run=run)
+    if args.device:
+        flags["$.run.device"] = f"--device {args.device}"
+    return KvhexConfig(primary=primary, tiers=tiers, sinks=sinks, run=run), flags
 
 
 def _file_tier(url: str, capacity: int, endpoint: str | None, i: int) -> TierConfig:
@@ -140,36 +216,88 @@ def _file_tier(url: str, capacity: int, endpoint: str | None, i: int) -> TierCon
     return TierConfig(type=PluginName("fsspec"), name=name, options=Options(options))
 
 
+def _named(exc: ConfigError, flags: dict[str, str]) -> ConfigError:
+    """``exc`` with each path that a flag made followed by that flag."""
+    if not flags:
+        return exc
+    issues = []
+    for path, problem in exc.issues:
+        made = [flag for prefix, flag in flags.items() if path.startswith(prefix)]
+        issues.append((f"{path} (from {made[0]})" if made else path, problem))
+    return ConfigError(issues, exc.source)
+
+
+def _requests(
+    config: KvhexConfig, workload: str | None, limit: int | None, source: str | None
+) -> Iterator[Request]:
+    """The workload file's requests, or the synthetic chat, made as the run takes them; at
+    most ``limit`` (``None``: the whole file, or an endless chat). Checked before anything is
+    built, so a bad workload costs no tier directory and no torch import.
+
+    Raises:
+        ConfigError: a bad workload line, or a request the device cache cannot hold (naming
+            ``[run].device_blocks``).
+    """
+    from kvhex.sim.workload import (
+        DeviceCache,
+        read_workload,
+        synthetic_chat,
+        synthetic_max_tokens,
+    )
+
+    run = config.run
+    tokens_per_chunk = run.tokens_per_block * run.blocks_per_chunk
+    device = DeviceCache(tokens_per_chunk, run.blocks_per_chunk, run.device_blocks)
+    if workload:
+        return read_workload(workload, seed=run.seed, limit=limit, device=device)
+    problem = device.problem(synthetic_max_tokens(tokens_per_chunk))
+    if problem is not None:
+        raise ConfigError(
+            [("$.run.device_blocks", f"the synthetic chat's longest prompt: {problem}")], source
+        )
+    return synthetic_chat(limit, seed=run.seed, tokens_per_chunk=tokens_per_chunk)
+
+
 def main(args: argparse.Namespace) -> int:
-    """Run the replay; exit 0 when every loaded block was intact, 1 otherwise."""
-    scratch = tempfile.mkdtemp(prefix="kvhex-run-")
+    """Run the replay; exit 0 when nothing went wrong, 1 when a loaded block was wrong, a
+    copy failed or a tier job failed, 2 when it could not start (docs/cli.md)."""
     try:
-        config = _configure(args, scratch)
+        _check_flags(args)
+    except _Usage as exc:
+        return fail("run", str(exc))
+    scratch = tempfile.mkdtemp(prefix="kvhex-run-")
+    flags: dict[str, str] = {}
+    try:
+        config, flags = _configure(args, scratch)
+        # --duration alone replays until the time is up; otherwise [run].requests or --requests
+        limit = None if args.duration and not args.requests else config.run.requests
+        requests = _requests(config, args.workload, limit, args.config)
         from kvhex.cli._stack import Stack  # torch is imported only when a run starts
 
         with Stack(config, source=args.config) as stack:
-            requests = stack.requests(args.workload)
             progress = None if args.no_progress or not sys.stderr.isatty() else _progress()
-            report = stack.run(requests, duration_s=args.duration, progress=progress)
+            report = stack.run(requests, duration_s=args.duration, total=limit, progress=progress)
         if progress is not None:
             print(file=sys.stderr)
-        summary = report.as_dict()
-        summary["device"] = stack.device
-        summary["tiers"] = stack.tier_labels
-        if args.json:
-            print(json.dumps(summary, indent=2))
-        else:
-            print(_table(summary))
-        return 0 if report.intact else 1
+    except ConfigError as exc:
+        raise _named(exc, flags) from exc
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
+    summary = report.as_dict()
+    summary["device"] = stack.device
+    summary["tiers"] = stack.tier_labels
+    if args.json:
+        print(json.dumps(summary, indent=2))
+    else:
+        print(_table(summary))
+    return EXIT_OK if report.ok else EXIT_FAILED
 
 
-def _progress() -> Callable[[Any, int, int], None]:
+def _progress() -> Callable[[Any, int, int | None], None]:
     """A progress line on stderr, redrawn at most five times a second."""
     shown = 0.0
 
-    def show(replay: Any, done: int, total: int) -> None:
+    def show(replay: Any, done: int, total: int | None) -> None:
         nonlocal shown
         now = time.monotonic()
         if now - shown < 0.2 and done != total:
@@ -178,8 +306,9 @@ def _progress() -> Callable[[Any, int, int], None]:
         r = replay.report
         rate = sum(r.hits.values()) / r.chunks if r.chunks else 0.0
         moved = (r.device_store.nbytes + r.device_load.nbytes) / 1e9
+        of = f"/{total}" if total is not None else ""
         print(
-            f"\rkvhex run: {done}/{total} requests  chunk hit rate {rate:5.1%}  "
+            f"\rkvhex run: {done}{of} requests  chunk hit rate {rate:5.1%}  "
             f"device<->host {moved:6.2f} GB  events {sum(r.events.values()):,}  ",
             end="",
             file=sys.stderr,
@@ -211,10 +340,21 @@ def _table(s: dict[str, Any]) -> str:
         lines.append(f"{name:<30}{n:>10,}")
     if s["placeholder_events"]:
         lines.append(f"{'(placeholders among them)':<30}{s['placeholder_events']:>10,}")
+    if s["tier_failures"]:
+        lines += ["", f"{'FAILED tier jobs':<30}{'count':>10}"]
+        for tier, failed in s["tier_failures"].items():
+            for what, n in failed.items():
+                label = f"{tier} {what.replace('_', ' ')}"
+                lines.append(f"{label:<30}{n:>10,}")
     i = s["integrity"]
-    lines += [
-        "",
-        f"integrity: {i['verdict']} ({i['blocks_checked']:,} loaded blocks checked, "
-        f"{i['blocks_bad']:,} wrong, {i['failed_transfers']} failed copies)",
-    ]
+    checked = (
+        f"({i['blocks_checked']:,} loaded blocks checked, {i['blocks_bad']:,} wrong, "
+        f"{i['failed_transfers']} failed copies)"
+    )
+    if i["verdict"] == "unchecked":
+        checked = "(no block was loaded back, so none could be compared)"
+    lines += ["", f"integrity: {i['verdict']} {checked}"]
+    if s["tier_failures"]:
+        jobs = sum(n for failed in s["tier_failures"].values() for n in failed.values())
+        lines.append(f"NOT OK: {jobs:,} tier job(s) failed (the warnings on stderr say why)")
     return "\n".join(lines)

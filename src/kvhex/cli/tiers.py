@@ -11,17 +11,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from collections.abc import Sequence
 
 import attrs
 
+from kvhex.cli._args import EXIT_FAILED, EXIT_OK, fail
 from kvhex.errors import PluginError
 from kvhex.plugins import GROUPS, PluginSpec, Registry
 
 __all__ = ["PluginStatus", "add_parser", "main", "survey"]
-
-EXIT_FAILED = 1
 
 
 @attrs.frozen
@@ -123,16 +121,19 @@ def format_table(statuses: Sequence[PluginStatus]) -> list[str]:
 def main(args: argparse.Namespace) -> int:
     """Print the plugins; 0, or 1 under ``--check`` when any fails to load.
 
-    A registry that cannot be built (one name declared by two distributions) raises
-    ``PluginError``, which the command frame reports (exit 1).
+    A registry that cannot be built (one name declared by two distributions) is what this
+    command is for finding: it is reported naming both, exit 1 (not 2: the input was fine).
     """
     groups = [f"kvhex.{g}" for g in args.group] if args.group else list(GROUPS)
-    statuses = survey(Registry.discover(groups), groups)
+    try:
+        registry = Registry.discover(groups)
+    except PluginError as exc:
+        return fail("tiers", str(exc), EXIT_FAILED)
+    statuses = survey(registry, groups)
     if args.json:
         print(json.dumps({"plugins": [attrs.asdict(s) for s in statuses]}, indent=2))
     else:
         print("\n".join(format_table(statuses)))
     if args.check and not all(s.loaded for s in statuses):
-        print("kvhex tiers: some plugins fail to load", file=sys.stderr)
-        return EXIT_FAILED
-    return 0
+        return fail("tiers", "some plugins fail to load", EXIT_FAILED)
+    return EXIT_OK
