@@ -37,6 +37,7 @@ from kvhex.config.model import (
 )
 from kvhex.config.vllm import KVHEX_TIER_TYPE, SOURCE, FsTierEntry, ObjTierEntry, VllmTierEntry
 from kvhex.domain.backpressure import AdmissionPolicy, AlwaysAdmit
+from kvhex.domain.cost import LoadMode, PrefillRate
 from kvhex.domain.geometry import KvGeometry
 from kvhex.domain.policies.base import EvictionPolicy
 from kvhex.domain.primary import PrimaryTier
@@ -48,6 +49,7 @@ from kvhex.ports.host_buffer import HostBuffer
 from kvhex.ports.tier_store import TierStore
 from kvhex.service.engine import OffloadEngine
 from kvhex.service.events import EventPipeline
+from kvhex.service.loading import LoadDecider
 from kvhex.service.tiering import TieringManager
 
 __all__ = [
@@ -66,6 +68,7 @@ __all__ = [
     "build_primary_tier",
     "build_sink",
     "build_tier",
+    "load_decider",
     "load_vllm_config",
     "load_vllm_tier",
     "tier_options",
@@ -213,10 +216,20 @@ def _assemble(
         host=host,
         admission=lambda i: tiers[i].admission(),
         names=[t.name for t in tiers],
-        loading=(loading or LoadingConfig()).decider(),
+        loading=load_decider(loading or LoadingConfig()),
     )
     pipeline = EventPipeline(translator or EventTranslator(), sinks)
     return OffloadEngine(manager, pipeline), stores
+
+
+def load_decider(config: LoadingConfig) -> LoadDecider:
+    """A new load-or-recompute decider with ``config``'s settings (one per engine)."""
+    return LoadDecider(
+        LoadMode(config.mode),
+        min_tokens=config.min_tokens,
+        prefill=PrefillRate(configured=config.prefill_tokens_per_s),
+        explore_every=config.explore_every,
+    )
 
 
 def build_engine(

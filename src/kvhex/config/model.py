@@ -19,10 +19,9 @@ from typing import Any, NewType
 import attrs
 
 from kvhex.domain.backpressure import EmaBackpressure
-from kvhex.domain.cost import LoadMode, PrefillRate
+from kvhex.domain.cost import LoadMode
 from kvhex.domain.tiers import Locality
 from kvhex.errors import ConfigError, ConfigIssue
-from kvhex.service.loading import LoadDecider
 
 __all__ = [
     "CHECKS",
@@ -386,15 +385,6 @@ class LoadingConfig:
             raise ValueError(f"min_tokens: applies to mode 'fixed' only (mode is {self.mode!r})")
         if self.mode == LoadMode.FIXED.value and not self.min_tokens:
             raise ValueError("min_tokens: mode 'fixed' needs a number of tokens > 0")
-
-    def decider(self) -> LoadDecider:
-        """A new decider with these settings (one per engine)."""
-        return LoadDecider(
-            LoadMode(self.mode),
-            min_tokens=self.min_tokens,
-            prefill=PrefillRate(configured=self.prefill_tokens_per_s),
-            explore_every=self.explore_every,
-        )
 
 
 @attrs.frozen(kw_only=True)
