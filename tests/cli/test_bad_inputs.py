@@ -83,6 +83,7 @@ def files(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
         held.bind(("127.0.0.1", 0))
         held.listen()
         paths["taken"] = f"tcp://127.0.0.1:{held.getsockname()[1]}"
+        paths["taken_addr"] = f"127.0.0.1:{held.getsockname()[1]}"
         yield paths
 
 
@@ -98,6 +99,25 @@ CASES = [
     ("duration-nan", ["run", "--duration", "nan"], USAGE, ["--duration", "finite"]),
     ("duration-inf", ["run", "--duration", "inf"], USAGE, ["--duration", "finite"]),
     ("tier-capacity", ["run", "--tier-capacity", "lots"], USAGE, ["--tier-capacity", "512MiB"]),
+    (
+        "metrics-addr-port",
+        ["run", "--metrics-addr", "9400"],
+        USAGE,
+        ["--metrics-addr", "'9400' is not HOST:PORT"],
+    ),
+    (
+        "metrics-addr-host",
+        ["run", "--metrics-addr", "metrics.example:9400"],
+        USAGE,
+        ["--metrics-addr", "is not an IP address"],
+    ),
+    (
+        "metrics-addr-in-use",
+        ["run", "--config", "{good}", "--metrics-addr", "{taken_addr}"],
+        USAGE,
+        ["--metrics-addr {taken_addr}", "cannot listen there"],
+    ),
+    ("metrics-hold-alone", ["run", "--metrics-hold", "5"], USAGE, ["--metrics-hold", "none is"]),
     ("tier-capacity-inf", ["run", "--tier-capacity", "1e400"], USAGE, ["--tier-capacity"]),
     ("host-capacity-0", ["run", "--host-capacity", "0"], USAGE, ["--host-capacity", "than 0"]),
     ("device", ["run", "--device", "gpu"], USAGE, ["--device", "'gpu'", "'cuda'"]),

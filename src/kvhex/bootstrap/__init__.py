@@ -277,7 +277,7 @@ def build_engine(
         for plan in sink_plans:
             sinks.append(plan.build(source))
         translator = EventTranslator(geometry)
-        return _assemble(
+        engine, stores = _assemble(
             primary,
             specs,
             tier_plans,
@@ -287,6 +287,8 @@ def build_engine(
             source=source,
             loading=config.loading,
         )
+        engine.set_geometry(geometry)  # load decisions count the tokens a chunk saves
+        return engine, stores
     except BaseException:
         for built in sinks:
             try:

@@ -91,6 +91,19 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
         metavar="tcp://...",
         help="bind a replay socket for the first ZMQ --events, so a late subscriber misses nothing",
     )
+    p.add_argument(
+        "--metrics-addr",
+        type=_text,
+        metavar="HOST:PORT",
+        help="serve Prometheus metrics at http://HOST:PORT/metrics while the run lasts "
+        "(needs kvhex[metrics])",
+    )
+    p.add_argument(
+        "--metrics-hold",
+        type=positive(float),
+        metavar="SECONDS",
+        help="keep serving the metrics this long after the summary (a last scrape)",
+    )
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), help="device KV cache")
     p.add_argument("--seed", type=int, help="workload and KV bytes seed")
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
@@ -140,6 +153,7 @@ def _check_flags(args: argparse.Namespace) -> None:
             "--tier-capacity: sizes the --tier tiers, and none is given; add --tier URL (a "
             "configured tier takes capacity_bytes in its options)"
         )
+    _check_metrics(args)
     zmq = [e for e in args.events or () if is_endpoint(e)]
     if args.events_replay and not zmq:
         raise _Usage(
@@ -157,6 +171,43 @@ def _check_flags(args: argparse.Namespace) -> None:
             problem = "inproc:// reaches only this process: use tcp://HOST:PORT or ipc://PATH"
         if problem is not None:
             raise _Usage(f"{flag} {endpoint}: {problem}")
+
+
+def _check_metrics(args: argparse.Namespace) -> None:
+    if args.metrics_hold and not args.metrics_addr:
+        raise _Usage("--metrics-hold: holds the --metrics-addr server, and none is given")
+    if not args.metrics_addr:
+        return
+    try:
+        from kvhex.adapters.metrics.prometheus import parse_metrics_address
+    except ImportError:
+        raise _Usage(
+            f"--metrics-addr {args.metrics_addr}: needs prometheus_client; install it with "
+            "pip install 'kvhex[metrics]'"
+        ) from None
+    try:
+        parse_metrics_address(args.metrics_addr)
+    except ConfigError as exc:
+        raise _Usage(f"--metrics-addr {exc.issues[0][1]}") from None
+
+
+def _metrics_server(stack: Any, address: str) -> Any:
+    """``/metrics`` of the run's engine at ``address`` (checked by ``_check_metrics``)."""
+    from prometheus_client import CollectorRegistry
+
+    from kvhex.adapters.metrics.prometheus import register_metrics, serve_metrics
+
+    registry = CollectorRegistry()
+    register_metrics(stack.engine, registry)
+    try:
+        server = serve_metrics(registry, address)
+    except OSError as exc:
+        raise _Usage(
+            f"--metrics-addr {address}: cannot listen there ({exc.strerror or exc}); give a "
+            "free port of this machine, or port 0 for any"
+        ) from None
+    print(f"kvhex run: metrics at {server.url}", file=sys.stderr, flush=True)
+    return server
 
 
 def _configure(args: argparse.Namespace, scratch: str) -> tuple[KvhexConfig, dict[str, str]]:
@@ -202,7 +253,8 @@ def _configure(args: argparse.Namespace, scratch: str) -> tuple[KvhexConfig, dic
     )
     if args.device:
         flags["$.run.device"] = f"--device {args.device}"
-    return KvhexConfig(primary=primary, tiers=tiers, sinks=sinks, run=run), flags
+    # evolve, not rebuild: every other table (``[loading]``, ...) stays as configured
+    return attrs.evolve(config, primary=primary, tiers=tiers, sinks=sinks, run=run), flags
 
 
 def _file_tier(url: str, capacity: int, endpoint: str | None, i: int) -> TierConfig:
@@ -275,22 +327,46 @@ def main(args: argparse.Namespace) -> int:
         from kvhex.cli._stack import Stack  # torch is imported only when a run starts
 
         with Stack(config, source=args.config) as stack:
-            progress = None if args.no_progress or not sys.stderr.isatty() else _progress()
-            report = stack.run(requests, duration_s=args.duration, total=limit, progress=progress)
-        if progress is not None:
-            print(file=sys.stderr)
+            server = _metrics_server(stack, args.metrics_addr) if args.metrics_addr else None
+            try:
+                progress = None if args.no_progress or not sys.stderr.isatty() else _progress()
+                report = stack.run(
+                    requests, duration_s=args.duration, total=limit, progress=progress
+                )
+                if progress is not None:
+                    print(file=sys.stderr)
+                _print_summary(args, stack, report)
+                if server is not None and args.metrics_hold:
+                    time.sleep(args.metrics_hold)  # the engine stays up for a last scrape
+            finally:
+                if server is not None:
+                    server.close()
     except ConfigError as exc:
         raise _named(exc, flags) from exc
+    except _Usage as exc:
+        return fail("run", str(exc))
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
+    return EXIT_OK if report.ok else EXIT_FAILED
+
+
+def _print_summary(args: argparse.Namespace, stack: Any, report: Any) -> None:
     summary = report.as_dict()
     summary["device"] = stack.device
     summary["tiers"] = stack.tier_labels
+    loading = stack.engine.stats().loading
+    summary["load_decisions"] = {
+        "load_all": loading.loaded_all,
+        "load_part": loading.loaded_part,
+        "recompute": loading.recomputed,
+        "explore": loading.explored,
+        "chunks_loaded": loading.chunks_loaded,
+        "chunks_recomputed": loading.chunks_recomputed,
+    }
     if args.json:
-        print(json.dumps(summary, indent=2))
+        print(json.dumps(summary, indent=2), flush=True)
     else:
-        print(_table(summary))
-    return EXIT_OK if report.ok else EXIT_FAILED
+        print(_table(summary), flush=True)
 
 
 def _progress() -> Callable[[Any, int, int | None], None]:
@@ -340,6 +416,14 @@ def _table(s: dict[str, Any]) -> str:
         lines.append(f"{name:<30}{n:>10,}")
     if s["placeholder_events"]:
         lines.append(f"{'(placeholders among them)':<30}{s['placeholder_events']:>10,}")
+    d = s["load_decisions"]
+    if d["load_all"] + d["load_part"] + d["recompute"]:
+        lines += [
+            "",
+            f"load or recompute: {d['load_all']:,} prefixes loaded, {d['load_part']:,} in part, "
+            f"{d['recompute']:,} recomputed ({d['chunks_loaded']:,} tier chunks loaded, "
+            f"{d['chunks_recomputed']:,} left to recompute)",
+        ]
     if s["tier_failures"]:
         lines += ["", f"{'FAILED tier jobs':<30}{'count':>10}"]
         for tier, failed in s["tier_failures"].items():

@@ -241,20 +241,25 @@ class Replay:
         self.step()
 
     def _lookup(self, keys: list[OffloadKey], ctx: ReqContext) -> int:
-        """Leading chunks that are readable, stepping the engine while answers are pending."""
+        """Leading chunks that are readable, stepping the engine while answers are pending.
+
+        As vLLM's scheduler does: each pass asks every key until the first miss (a pending
+        answer does not stop it, so every tier probe and load decision of the prefix starts
+        in the same step), and repeats while any answer was pending."""
         deadline = time.monotonic() + 30
         while True:
-            hits = 0
+            leading = 0  # HITs before the first other answer
             pending = False
             for key in keys:
                 result = self.engine.lookup(key, ctx)
+                if result is _MISS:
+                    break
                 if result is _HIT:
-                    hits += 1
-                    continue
-                pending = result is not _MISS
-                break
+                    leading += 0 if pending else 1
+                else:
+                    pending = True
             if not pending or time.monotonic() > deadline:
-                return hits
+                return leading  # never settled: what is readable now, the rest recomputed
             self.step()
             time.sleep(self._step_wait)
 
