@@ -59,9 +59,10 @@ class TieringStats:
     active_requests: int
     jobs_in_flight: int
     lookups: int = 0
-    """Lookups asked (each key of each lookup call)."""
+    """Lookups asked: ``host_hits`` plus every lookup host memory could not answer ``HIT``."""
     host_hits: int = 0
-    """Lookups answered ``HIT`` from host memory."""
+    """Keys answered ``HIT`` from host memory, once per key and step (the scheduler asks
+    again while a request waits; counting in the lookup itself would cost every hit)."""
     loading: LoadStats = attrs.field(factory=LoadStats)
     """Load-or-recompute decisions."""
     prefill_tokens_per_s: float | None = None
@@ -125,8 +126,9 @@ class TieringManager:
         self._origins: dict[ReqContext, dict[OffloadKey, _Tier]] = {}
         self._loading = loading or LoadDecider(LoadMode.OFF)
         self._scanning = self._loading.active and bool(self._tiers)
-        self._lookups = 0
-        self._host_hits = 0
+        self._scans = self._loading.scans  # the same dict, never rebound
+        self._host_hits = 0  # up to the last step end (this step's: _hits_this_step)
+        self._host_misses = 0
         self._requests: dict[ReqContext, _Request] = {}
         self._hits_this_step: set[OffloadKey] = set()
         self._remember_hit = self._hits_this_step.add
@@ -142,20 +144,21 @@ class TieringManager:
         ``MISS`` nowhere, or the host tier has no room to promote into."""
         if not self._polled:
             self._poll()
-        self._lookups += 1
         try:
             slot = self._index_get(key)
         except TypeError:
             return self._primary.lookup(key)  # raises the typed InvalidKeyError
         if slot is not None:
-            if self._scanning and self._loading.scans:
+            if self._scans:  # a request's scan is open (load decisions): note the key
                 self._scan_host(key, ctx)
             if self._refs[slot] < 0:
+                self._host_misses += 1
                 return _PENDING
-            # a promotion later this step must not evict a chunk already answered HIT
+            # a promotion later this step must not evict a chunk already answered HIT (and
+            # the hits are counted from this set at step end: nothing to count here)
             self._remember_hit(key)
-            self._host_hits += 1
             return _HIT
+        self._host_misses += 1
         if not self._tiers:
             return _MISS
         retry = False
@@ -367,6 +370,7 @@ class TieringManager:
         self._polled = False
         if self._loading.scans:
             self._plan_scans()
+        self._host_hits += len(self._hits_this_step)
         self._hits_this_step.clear()
         for tier in self._tiers:
             for ctx, (keys, slots) in tier.promotions.items():
@@ -434,6 +438,7 @@ class TieringManager:
         host = self._primary.stats()  # tiers drained: every pin left is a device load's
         reserved = sum(len(keys) for t in self._tiers for keys, _ in t.promotions.values())
         device_busy = host.pending - reserved + host.pinned
+        self._host_hits += len(self._hits_this_step)
         self._hits_this_step.clear()
         self._origins.clear()
         self._loading.clear()
@@ -517,13 +522,14 @@ class TieringManager:
         """Snapshot of the primary tier's and every secondary tier's counters."""
         tiers = tuple(_snapshot(t) for t in self._tiers)
         in_flight = sum(t.driver.in_flight for t in self._tiers)
+        hits = self._host_hits + len(self._hits_this_step)
         return TieringStats(
             self._primary.stats(),
             tiers,
             len(self._requests),
             in_flight,
-            self._lookups,
-            self._host_hits,
+            hits + self._host_misses,
+            hits,
             self._loading.snapshot(),
             self._loading.prefill.tokens_per_s,
         )
