@@ -6,33 +6,10 @@ from __future__ import annotations
 import json
 import re
 import time
-import urllib.request
 from pathlib import Path
 
-from prometheus_client.parser import text_string_to_metric_families
-
+from tests.adapters.metrics.scrape import scrape, value
 from tests.cli.command import Lines, small_config, spawn
-
-Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
-
-
-def _scrape(url: str) -> Samples:
-    with urllib.request.urlopen(url, timeout=10) as response:
-        assert response.status == 200
-        text = response.read().decode()
-    return {
-        (s.name, tuple(sorted(s.labels.items()))): s.value
-        for family in text_string_to_metric_families(text)
-        for s in family.samples
-    }
-
-
-def _get(samples: Samples, name: str, **labels: str) -> float:
-    return samples.get((name, tuple(sorted(labels.items()))), 0.0)
-
-
-def _summary(lines: list[str]) -> bool:
-    return "}" in lines and lines[0] == "{"
 
 
 def test_metrics_are_served_during_the_run_and_agree_with_its_summary(tmp_path: Path) -> None:
@@ -56,36 +33,36 @@ def test_metrics_are_served_during_the_run_and_agree_with_its_summary(tmp_path: 
         url = re.search(r"metrics at (http://\S+)", "\n".join(said))
         assert url is not None
         # mid-run: lookups climb while requests are replayed
-        first = _scrape(url.group(1))
+        first = scrape(url.group(1))
         deadline = time.monotonic() + 60
-        while (looked := _get(first, "kvhex_tier_lookups_total", tier="host", medium="CPU")) < 1:
+        while (looked := value(first, "kvhex_tier_lookups_total", tier="host", medium="CPU")) < 1:
             assert time.monotonic() < deadline, "no lookup counted"
             time.sleep(0.05)
-            first = _scrape(url.group(1))
+            first = scrape(url.group(1))
         assert not out.lines, "the run was over before the first scrape"
-        later = _scrape(url.group(1))
-        assert _get(later, "kvhex_tier_lookups_total", tier="host", medium="CPU") >= looked
+        later = scrape(url.group(1))
+        assert value(later, "kvhex_tier_lookups_total", tier="host", medium="CPU") >= looked
         # after the last step: the summary is printed and the server still answers
         lines = out.wait_for(lambda lines: lines[-1:] == ["}"], timeout=240)
         summary = json.loads("\n".join(lines))
-        last = _scrape(url.group(1))
+        last = scrape(url.group(1))
     finally:
         child.kill()
         child.wait(10)
     assert summary["requests"] == 600
     for name, count in summary["events"].items():
         kind, medium = name.split(" ")
-        assert _get(last, "kvhex_events_published_total", type=kind, medium=medium) == count
+        assert value(last, "kvhex_events_published_total", type=kind, medium=medium) == count
     disk = {"tier": "disk", "medium": "STORAGE"}
     put, get = summary["transfers"]["disk put"], summary["transfers"]["disk get"]
-    assert _get(last, "kvhex_tier_bytes_total", **disk, direction="put") == put["bytes"] > 0
-    assert _get(last, "kvhex_tier_bytes_total", **disk, direction="get") == get["bytes"]
-    promoted = _get(last, "kvhex_tier_promoted_blocks_total", **disk, result="ok")
+    assert value(last, "kvhex_tier_bytes_total", **disk, direction="put") == put["bytes"] > 0
+    assert value(last, "kvhex_tier_bytes_total", **disk, direction="get") == get["bytes"]
+    promoted = value(last, "kvhex_tier_promoted_blocks_total", **disk, result="ok")
     assert promoted >= summary["hits"].get("disk", {"chunks": 0})["chunks"]
-    stored = _get(last, "kvhex_tier_blocks_put_total", tier="host", medium="CPU")
+    stored = value(last, "kvhex_tier_blocks_put_total", tier="host", medium="CPU")
     assert stored == summary["chunks_stored"] + promoted  # device stores and promotions
-    assert _get(last, "kvhex_requests_active") == 0
-    assert _get(last, "kvhex_tier_jobs_in_flight", **disk) == 0
+    assert value(last, "kvhex_requests_active") == 0
+    assert value(last, "kvhex_tier_jobs_in_flight", **disk) == 0
     decisions = summary["load_decisions"]
     for decision in ("load_all", "load_part", "recompute"):
-        assert _get(last, "kvhex_load_decisions_total", decision=decision) == decisions[decision]
+        assert value(last, "kvhex_load_decisions_total", decision=decision) == decisions[decision]

@@ -159,6 +159,14 @@ class Driver:
         self.connector.update_connector_output(KVConnectorOutput(kv_connector_worker_meta=meta))
         self.events.extend(self.connector.take_events())
 
+    def until(self, done: Any, limit_s: float = 10.0) -> None:
+        """Step (as an idle engine would) until ``done()`` holds; fail after ``limit_s``."""
+        deadline = time.monotonic() + limit_s
+        while not done():
+            assert time.monotonic() < deadline, "the tier did not finish in time"
+            self.step()
+            time.sleep(0.002)
+
     def matched(self, req: Request, limit_s: float = 10.0) -> int:
         """Ask for external hits until the connector stops deferring (steps meanwhile)."""
         deadline = time.monotonic() + limit_s

@@ -7,7 +7,6 @@ reported finished by job id, as a worker would; host bytes are written by the te
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -43,14 +42,6 @@ def _extra(root: Path, **more: Any) -> dict[str, Any]:
         "secondary_tiers": [{"type": "fs", "root_dir": str(root), "enable_kv_events": True}],
         **more,
     }
-
-
-def _until(driver: Driver, done: Any, limit_s: float = 10.0) -> None:
-    deadline = time.monotonic() + limit_s
-    while not done():
-        assert time.monotonic() < deadline, "the tier did not finish in time"
-        driver.step()
-        time.sleep(0.002)
 
 
 def _stored(events: list[Any], medium: str) -> list[Any]:
@@ -111,7 +102,7 @@ def test_full_provenance_for_host_stores_late_tier_stores_and_promotions(
     # the request finishes; its cascade to the file tier completes afterwards, still in full
     driver.events.clear()
     driver.finish(first)
-    _until(driver, lambda: len(_stored(driver.events, "STORAGE")) == 4)
+    driver.until(lambda: len(_stored(driver.events, "STORAGE")) == 4)
     storage = _by_tokens(_stored(driver.events, "STORAGE"))
     assert [e.token_ids for e in storage] == [e.token_ids for e in cpu]
     assert [e.block_hashes for e in storage] == [e.block_hashes for e in cpu]
@@ -174,7 +165,7 @@ def test_stock_connector_with_kvhex_spec_uses_vllms_own_tracker(
     cpu = _by_tokens(_stored(driver.events, "CPU"))
     assert [e.token_ids for e in cpu] == [PROMPT[i : i + 16] for i in range(0, 64, 16)]
     driver.finish(req)
-    _until(driver, lambda: len(_stored(driver.events, "STORAGE")) == 4)
+    driver.until(lambda: len(_stored(driver.events, "STORAGE")) == 4)
     assert {e.ownership for e in _stored(driver.events, "STORAGE")} == {"fs"}
 
 

@@ -8,7 +8,6 @@ scheduler-side connector, as tests/vllm/test_connector.py does.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -55,14 +54,6 @@ def connector(tmp_path: Path) -> Iterator[Any]:
     built.shutdown()
 
 
-def _until(driver: Driver, done: Any, limit_s: float = 10.0) -> None:
-    deadline = time.monotonic() + limit_s
-    while not done():
-        assert time.monotonic() < deadline, "the tier did not finish in time"
-        driver.step()
-        time.sleep(0.002)
-
-
 def _payloads(connector: Any, into: list[Any]) -> None:
     stats = connector.get_kv_connector_stats()
     if stats is not None and not stats.is_empty():
@@ -98,7 +89,7 @@ def test_a_workload_reports_vllms_metrics_and_the_real_hit_sources(
         host.slot_view(slot)[:] = bytes([chunk + 1]) * PAGE
     driver.complete([job_id])
     driver.finish(first)
-    _until(driver, lambda: manager.stats().tiers[0].puts_ok == 1)
+    driver.until(lambda: manager.stats().tiers[0].puts_ok == 1)
     _payloads(connector, payloads)
 
     # a second request hits in host memory: its source is HOST

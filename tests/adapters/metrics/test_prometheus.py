@@ -4,12 +4,10 @@ host application's registry is the only one touched, and bad addresses are named
 from __future__ import annotations
 
 import socket
-import urllib.request
 from collections.abc import Iterator
 
 import pytest
 from prometheus_client import REGISTRY, CollectorRegistry
-from prometheus_client.parser import text_string_to_metric_families
 
 from kvhex.adapters.metrics.prometheus import (
     METRICS,
@@ -20,24 +18,8 @@ from kvhex.adapters.metrics.prometheus import (
 from kvhex.domain import ReqContext
 from kvhex.errors import ConfigError
 from kvhex.service import EventPipeline, OffloadEngine
+from tests.adapters.metrics.scrape import scrape, value
 from tests.service.harness import SLOT_BYTES, World
-
-Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
-
-
-def _scrape(url: str) -> Samples:
-    with urllib.request.urlopen(url, timeout=10) as response:
-        assert response.status == 200
-        text = response.read().decode()
-    return {
-        (s.name, tuple(sorted(s.labels.items()))): s.value
-        for family in text_string_to_metric_families(text)
-        for s in family.samples
-    }
-
-
-def _value(samples: Samples, name: str, **labels: str) -> float:
-    return samples[(name, tuple(sorted(labels.items())))]
 
 
 class _Sink:
@@ -87,41 +69,41 @@ def test_a_scrape_over_http_agrees_with_the_engines_stats(
     register_metrics(engine, registry)
     server = serve_metrics(registry, "127.0.0.1:0")
     try:
-        before = _scrape(server.url)
-        assert _value(before, "kvhex_tier_lookups_total", tier="host", medium="CPU") == 0
+        before = scrape(server.url)
+        assert value(before, "kvhex_tier_lookups_total", tier="host", medium="CPU") == 0
         _work(w, engine)
-        after = _scrape(server.url)
+        after = scrape(server.url)
     finally:
         server.close()
     stats = engine.stats()
     tier = stats.tiers[0]
     host = {"tier": "host", "medium": "CPU"}
     mem = {"tier": "mem0", "medium": "STORAGE"}
-    assert _value(after, "kvhex_tier_lookups_total", **host) == stats.lookups == 4
-    assert _value(after, "kvhex_tier_hits_total", **host) == stats.host_hits == 2
-    assert _value(after, "kvhex_tier_misses_total", **host) == 2
-    assert _value(after, "kvhex_tier_lookups_total", **mem) == tier.lookups == 2
-    assert _value(after, "kvhex_tier_hits_total", **mem) == tier.hits == 1
-    assert _value(after, "kvhex_tier_promoted_blocks_total", **mem, result="ok") == 1
-    assert _value(after, "kvhex_tier_jobs_total", **mem, kind="put", result="ok") == tier.puts_ok
-    assert _value(after, "kvhex_tier_jobs_total", **mem, kind="get", result="ok") == 1
-    assert _value(after, "kvhex_tier_bytes_total", **mem, direction="put") == 4 * SLOT_BYTES
-    assert _value(after, "kvhex_tier_bytes_total", **mem, direction="get") == SLOT_BYTES
-    count = _value(after, "kvhex_tier_job_seconds_count", **mem, kind="put")
+    assert value(after, "kvhex_tier_lookups_total", **host) == stats.lookups == 4
+    assert value(after, "kvhex_tier_hits_total", **host) == stats.host_hits == 2
+    assert value(after, "kvhex_tier_misses_total", **host) == 2
+    assert value(after, "kvhex_tier_lookups_total", **mem) == tier.lookups == 2
+    assert value(after, "kvhex_tier_hits_total", **mem) == tier.hits == 1
+    assert value(after, "kvhex_tier_promoted_blocks_total", **mem, result="ok") == 1
+    assert value(after, "kvhex_tier_jobs_total", **mem, kind="put", result="ok") == tier.puts_ok
+    assert value(after, "kvhex_tier_jobs_total", **mem, kind="get", result="ok") == 1
+    assert value(after, "kvhex_tier_bytes_total", **mem, direction="put") == 4 * SLOT_BYTES
+    assert value(after, "kvhex_tier_bytes_total", **mem, direction="get") == SLOT_BYTES
+    count = value(after, "kvhex_tier_job_seconds_count", **mem, kind="put")
     assert count == tier.put_latency.count == tier.puts_ok
-    inf = _value(after, "kvhex_tier_job_seconds_bucket", **mem, kind="put", le="+Inf")
+    inf = value(after, "kvhex_tier_job_seconds_bucket", **mem, kind="put", le="+Inf")
     assert inf == count
-    assert _value(after, "kvhex_tier_evictions_total", **mem) == tier.blocks_removed == 1
-    assert _value(after, "kvhex_tier_resident_blocks", **mem) == 3
-    assert _value(after, "kvhex_tier_used_bytes", **mem) == 3 * SLOT_BYTES
-    assert _value(after, "kvhex_tier_capacity_bytes", **mem) == 3 * SLOT_BYTES
-    assert _value(after, "kvhex_tier_capacity_bytes", **host) == 2 * SLOT_BYTES
-    assert _value(after, "kvhex_tier_evictions_total", **host) == stats.primary.evictions > 0
-    stored = _value(after, "kvhex_events_published_total", type="BlockStored", medium="STORAGE")
+    assert value(after, "kvhex_tier_evictions_total", **mem) == tier.blocks_removed == 1
+    assert value(after, "kvhex_tier_resident_blocks", **mem) == 3
+    assert value(after, "kvhex_tier_used_bytes", **mem) == 3 * SLOT_BYTES
+    assert value(after, "kvhex_tier_capacity_bytes", **mem) == 3 * SLOT_BYTES
+    assert value(after, "kvhex_tier_capacity_bytes", **host) == 2 * SLOT_BYTES
+    assert value(after, "kvhex_tier_evictions_total", **host) == stats.primary.evictions > 0
+    stored = value(after, "kvhex_events_published_total", type="BlockStored", medium="STORAGE")
     assert stored == engine.pipeline.events_published[("BlockStored", "STORAGE")] == 4
-    sent = _value(after, "kvhex_sink_batches_sent_total", sink="0:_Sink")
+    sent = value(after, "kvhex_sink_batches_sent_total", sink="0:_Sink")
     assert sent == engine.pipeline.sinks[0].batches > 0  # type: ignore[attr-defined]
-    assert _value(after, "kvhex_sink_batches_dropped_total", sink="0:_Sink") == 0
+    assert value(after, "kvhex_sink_batches_dropped_total", sink="0:_Sink") == 0
 
 
 def test_every_listed_metric_is_exported_and_nothing_else(
