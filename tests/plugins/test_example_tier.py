@@ -128,7 +128,7 @@ type = "sqlite"
 options = {{ path = "{db}", capacity_bytes = 67108864 }}
 
 [run]
-requests = 30
+requests = 120
 layers = 2
 page_bytes = 4096
 device_blocks = 512
