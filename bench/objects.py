@@ -47,13 +47,13 @@ import hashlib
 import importlib
 import os
 import statistics
-import subprocess
 import sys
 import time
 from collections.abc import Callable
 from typing import Any
 
 from _report import Report, parse
+from _s3 import start_loopback_s3
 from kvhex.adapters.memory import MemoryHostBuffer
 from kvhex.domain import JobId, JobKind, TierJob, make_offload_key
 from kvhex.plugins import TIERS, Registry
@@ -74,17 +74,6 @@ WHERE_VLLM = (
     ".venv-vllm (make vllm-test builds it): .venv-vllm/bin/python bench/objects.py. "
     "Measuring kvhex's tiers alone (no ratios)."
 )
-
-SERVER = (
-    "import sys\n"
-    "from moto.server import ThreadedMotoServer\n"
-    "server = ThreadedMotoServer(ip_address='127.0.0.1', port=0, verbose=False)\n"
-    "server.start()\n"
-    "print(server.get_host_and_port()[1], flush=True)\n"
-    "sys.stdin.read()  # until the bench ends\n"
-)
-"""A loopback S3 server in a process of its own (as in tiers.py): in the bench's process it
-would share one GIL with the clients it serves."""
 
 
 def chunk_key(round_: int, i: int) -> bytes:
@@ -330,16 +319,8 @@ def one_size(
     n = max(1, total // chunk)
     nbytes = n * chunk
     rows = min(n, MAX_SLOTS)
-    os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")
-    server = subprocess.Popen(
-        [sys.executable, "-c", SERVER],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
-        text=True,
-    )
-    assert server.stdout is not None
-    endpoint = f"http://127.0.0.1:{int(server.stdout.readline())}"
+    port, stop_server = start_loopback_s3()
+    endpoint = f"http://127.0.0.1:{port}"
     fs = s3fs.S3FileSystem(
         **ACCESS, endpoint_url=endpoint, use_listings_cache=False, skip_instance_cache=True
     )
@@ -391,7 +372,7 @@ def one_size(
     finally:
         for close in reversed(closers):
             close()
-        server.communicate("")  # its stdin closes: it exits
+        stop_server()
 
 
 def main() -> None:

@@ -30,14 +30,13 @@ import hashlib
 import os
 import shutil
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Callable
 from typing import Any
 
 from _report import Report, parse
+from _s3 import start_loopback_s3
 from kvhex.adapters.memory import MemoryHostBuffer
 from kvhex.adapters.storage.fsspec import FsspecTierStore
 from kvhex.domain import JobId, JobKind, TierJob, make_offload_key
@@ -175,19 +174,6 @@ def local_files(
         shutil.rmtree(root)
 
 
-SERVER = (
-    "import sys\n"
-    "from moto.server import ThreadedMotoServer\n"
-    "server = ThreadedMotoServer(ip_address='127.0.0.1', port=0, verbose=False)\n"
-    "server.start()\n"
-    "print(server.get_host_and_port()[1], flush=True)\n"
-    "sys.stdin.read()  # until the bench ends\n"
-)
-"""A loopback S3 server in a process of its own, as S3 is: in the bench's process it would
-share one GIL with the client threads it serves, and each side's Python work would slow the
-other's."""
-
-
 def s3(chunk: int, args: argparse.Namespace) -> dict[str, float]:
     import concurrent.futures as cf
 
@@ -199,16 +185,7 @@ def s3(chunk: int, args: argparse.Namespace) -> dict[str, float]:
         args.repeats,
         args.io_threads,
     )
-    os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")
-    server = subprocess.Popen(
-        [sys.executable, "-c", SERVER],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
-        text=True,
-    )
-    assert server.stdout is not None
-    port = int(server.stdout.readline())
+    port, stop_server = start_loopback_s3()
     opts: dict[str, Any] = {
         "key": "k",
         "secret": "s",
@@ -260,7 +237,7 @@ def s3(chunk: int, args: argparse.Namespace) -> dict[str, float]:
     finally:
         store.close()
         pool.shutdown()
-        server.communicate("")  # its stdin closes: it exits
+        stop_server()
 
 
 def main() -> None:

@@ -148,7 +148,7 @@ def test_a_workload_reports_vllms_metrics_and_the_real_hit_sources(
     prom.observe(merged.data, 0)
     registry_values = {
         (s.name, tuple(sorted(s.labels.items()))): s.value
-        for m in _collect(prom)
+        for m in REGISTRY.collect()  # vLLM registers into the default registry
         for s in m.samples
     }
     key = (
@@ -156,9 +156,3 @@ def test_a_workload_reports_vllms_metrics_and_the_real_hit_sources(
         (("engine", "0"), ("model_name", "tiny"), ("tier", "1:fs")),
     )
     assert registry_values[key] == 4 * PAGE
-
-
-def _collect(prom: Any) -> list[Any]:
-    """Every metric family vLLM's metrics object registered (vLLM uses the default
-    registry, as its frontend does)."""
-    return list(REGISTRY.collect())

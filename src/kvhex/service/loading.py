@@ -61,10 +61,12 @@ class Scan:
     """False when a tier was still probing a key: no plan this step."""
     closed: bool = False
     """A miss ended the prefix: later lookups this step are another pass."""
+    _seen: set[OffloadKey] = attrs.field(factory=set)
 
     def add(self, key: OffloadKey, tier: int | None) -> None:
         """The next key of the prefix (a key seen already starts another pass: ignored)."""
-        if not self.closed and key not in self.keys:
+        if not self.closed and key not in self._seen:
+            self._seen.add(key)
             self.keys.append(key)
             self.tiers.append(tier)
 

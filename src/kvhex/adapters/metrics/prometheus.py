@@ -56,8 +56,18 @@ _TIER = ("tier", "medium")
 
 # name (without _total), kind, labels, help: the one list docs/metrics.md is checked against
 METRICS: tuple[tuple[str, str, tuple[str, ...], str], ...] = (
-    ("kvhex_tier_lookups", "counter", _TIER, "Chunk lookups that asked this tier."),
-    ("kvhex_tier_hits", "counter", _TIER, "Lookups this tier answered with a hit."),
+    (
+        "kvhex_tier_lookups",
+        "counter",
+        _TIER,
+        "Chunk lookups that asked this tier (host: hits plus misses).",
+    ),
+    (
+        "kvhex_tier_hits",
+        "counter",
+        _TIER,
+        "Lookups this tier answered with a hit (host: once per key and scheduler step).",
+    ),
     (
         "kvhex_tier_misses",
         "counter",
