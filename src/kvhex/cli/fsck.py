@@ -26,9 +26,9 @@ def add_parser(
     """Register ``kvhex fsck`` and its flags."""
     parser = subparsers.add_parser(
         "fsck",
-        help="verify a local file tier read-only (checksums, index, orphans, foreign files)",
+        help="verify a local file tier read-only (checksums, slot tables, orphans, foreign files)",
         description="Verify the local file tier under ROOT without modifying it or taking its "
-        "locks: every index row's block is where it says and matches its checksum. Exit 0 "
+        "locks: every slot record's block is where it says and matches its checksum. Exit 0 "
         "when clean, 1 when anything is corrupt or missing, 2 when ROOT cannot be checked, "
         "3 when ROOT holds no kvhex tier.",
     )
@@ -89,7 +89,7 @@ def main(args: argparse.Namespace) -> int:
             print(f"  {f.finding.name:<8}{f.key}: {f.reason} (slab {f.slab}, slot {f.slot})")
         shown = ns.orphans if args.verbose else ns.orphans[:SHOWN]
         for o in shown:
-            print(f"  orphan  {o.key} (slab {o.slab}, slot {o.slot}; no index row, harmless)")
+            print(f"  orphan  {o.key} (slab {o.slab}, slot {o.slot}; no record, harmless)")
         if len(shown) < len(ns.orphans):
             print(f"  ... {len(ns.orphans) - len(shown)} more orphans (--verbose lists them)")
         for name in ns.unfinished_slabs:

@@ -6,7 +6,7 @@ A block is a 4 KiB header area and the host slot's bytes (the payload)::
     | the offload key | zero padding to 4096 bytes | payload
 
 Every read verifies all of it (:func:`verify`): a header naming another key (a slot reused, a
-stale index row) is a missing block, a mismatch of anything else or a short read a corrupt
+stale record) is a missing block, a mismatch of anything else or a short read a corrupt
 one; neither is ever served. Blocks live under ``ROOT/<namespace digest>/``, where the digest
 names what makes blocks compatible (:func:`namespace_digest`) and ``config.json`` records it
 (:func:`namespace_config`).
@@ -42,9 +42,10 @@ __all__ = [
     "verify",
 ]
 
-LAYOUT_VERSION = 3
-"""3: NIXL's object tier writes one object per block, in this format (2 wrote a payload and a
-header object)."""
+LAYOUT_VERSION = 4
+"""4: local slabs publish their blocks in a slot table at their head (3 kept a shared SQLite
+index); 3: NIXL's object tier writes one object per block, in this format (2 wrote a payload
+and a header object)."""
 MAGIC = b"KVHXBLK1"
 HEADER = struct.Struct(">8sQQH")  # magic, payload length, xxh3-64 of the payload, key length
 HEADER_AREA = 4096

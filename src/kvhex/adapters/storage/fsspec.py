@@ -7,7 +7,6 @@ S3 (:mod:`kvhex.adapters.storage.objects`), both in the block format of
 Layout under the configured root::
 
     ROOT/<namespace digest>/config.json       what makes blocks compatible, recorded
-    ROOT/<namespace digest>/index.sqlite      local files: shared index, key -> (slab, slot)
     ROOT/<namespace digest>/slabs/<id>.slab   local files: preallocated slabs of block slots
     ROOT/<namespace digest>/<k0k1>/<key hex>.blk   object stores: one object per block
 

@@ -1,14 +1,13 @@
 """The slab files of local tiers, below the tier store: how jobs are laid out over slab files
 (striping, eviction room, runs of adjacent slots), what a failure gives back, what a crash at
-each step leaves, and what a restart adopts. Real files and a real SQLite index throughout;
-faults come through the public seams (a mover, the index object), never private methods."""
+each step leaves, and what a restart adopts. Real files and real slot tables throughout;
+faults come through the public seams (a mover, the IO calls), never private methods."""
 
 from __future__ import annotations
 
 import concurrent.futures as cf
 import os
 import signal
-import sqlite3
 import subprocess
 import sys
 import threading
@@ -18,8 +17,9 @@ from pathlib import Path
 import pytest
 
 from kvhex.adapters.memory import MemoryHostBuffer
+from kvhex.adapters.storage.files import index
 from kvhex.adapters.storage.files.fsck import check_root
-from kvhex.adapters.storage.files.index import SLAB_DIR, SlabIndex
+from kvhex.adapters.storage.files.index import SLAB_DIR, read_table, table_bytes
 from kvhex.adapters.storage.files.slabs import PosixSlotMover, SlabIo
 from kvhex.adapters.storage.format import (
     HEADER_AREA,
@@ -76,6 +76,19 @@ def slab_files(root: Path) -> list[Path]:
     return sorted((root / NAME / SLAB_DIR).iterdir())
 
 
+def recorded(root: Path) -> list[OffloadKey]:
+    """The keys the slot tables under ``root`` name, a key once per record (what a restart
+    adopts), sorted."""
+    keys: list[OffloadKey] = []
+    for path in (root / NAME / SLAB_DIR).glob("*.slab"):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            keys += [k for _, k, _ in read_table(fd)[1]]
+        finally:
+            os.close(fd)
+    return sorted(keys)
+
+
 class Recording(PosixSlotMover):
     """A mover that records the files each job writes and runs a hook first."""
 
@@ -99,7 +112,7 @@ def test_capacity_is_spread_over_one_slab_file_per_stripe(
     assert io.write_many(items(host, range(64))) == [None] * 64
     files = slab_files(tmp_path)
     assert len(files) == 4
-    assert sum(f.stat().st_size for f in files) == 64 * BLOCK
+    assert [f.stat().st_size for f in files] == [table_bytes(16) + 16 * BLOCK] * 4
     assert io.write_many(items(host, [64])) == ["OSError: every slot of this tier is taken"]
     io.close()
 
@@ -122,20 +135,20 @@ def test_concurrent_jobs_write_different_slab_files(tmp_path: Path, host: Memory
     io.close()
 
 
-def test_a_put_writes_into_its_victims_slots_after_their_rows_are_gone(
+def test_a_put_writes_into_its_victims_slots_after_their_records_are_cleared(
     tmp_path: Path, host: MemoryHostBuffer
 ) -> None:
-    """The victims' index rows are deleted before their slots are overwritten (a crash in
-    between leaves orphans, never a row naming another block), and a slot of room left over
-    is unmarked before it is free again."""
-    seen: list[dict[OffloadKey, tuple[str, int]]] = []
-    mover = Recording(lambda _: seen.append(io.index.lookup([key(2), key(3), key(4)])))
+    """The victims' records are cleared before their slots are overwritten (a crash in
+    between leaves orphans, never a record naming another block), and a slot of room left
+    over is unmarked before it is free again."""
+    seen: list[set[OffloadKey]] = []
+    mover = Recording(lambda _: seen.append(set(recorded(tmp_path)) & {key(2), key(3), key(4)}))
     io = open_io(tmp_path, slots=8, mover=mover)
     assert io.write_many(items(host, range(8))) == [None] * 8
     evicted = [io.location(key(i)) for i in (2, 3, 4)]
     seen.clear()
     assert io.write_many(items(host, [10, 11]), evict=[key(2), key(3), key(4)]) == [None, None]
-    assert seen == [{}]  # no victim row was left while the new blocks were written
+    assert seen == [set()]  # no victim's record was left while the new blocks were written
     assert {io.location(key(10)), io.location(key(11))} == set(evicted[:2])
     path, offset = evicted[2]
     with open(path, "rb") as slab:
@@ -176,31 +189,30 @@ def test_a_slab_cut_inside_a_run_fails_only_the_blocks_past_the_cut(
     io.close()
 
 
-class FailingIndex(SlabIndex):
-    """The index whose next transactions fail (a disk error under SQLite)."""
-
-    fail = True
-
-    def commit(self, deletes: Sequence[object], inserts: Sequence[object] = ()) -> None:  # type: ignore[override]
-        if self.fail:
-            raise sqlite3.OperationalError("disk I/O error")
-        super().commit(deletes, inserts)  # type: ignore[arg-type]
-
-
-def test_a_failed_index_commit_fails_the_job_and_frees_its_slots(
-    tmp_path: Path, host: MemoryHostBuffer
+def test_a_failed_record_write_fails_the_job_and_frees_its_slots(
+    tmp_path: Path, host: MemoryHostBuffer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """The slot table cannot be written (a disk error): the job fails with the reason, no
+    record names its blocks, and its slots are free again."""
     io = open_io(tmp_path, slots=2)
-    io.index.close()
-    failing = FailingIndex(str(tmp_path / NAME), fsync=False)
-    io.index = failing
-    assert io.write_many(items(host, range(2))) == ["index: disk I/O error"] * 2
+    real = index.write_fully
+    broken = [True]
+
+    def failing(fd: int, parts: Sequence[bytes], offset: int) -> None:
+        if broken[0] and any(parts[0]):  # setting a record (clearing one still works)
+            raise OSError(5, "Input/output error")
+        real(fd, parts, offset)
+
+    monkeypatch.setattr(index, "write_fully", failing)
+    assert io.write_many(items(host, range(2))) == ["OSError: Input/output error"] * 2
     assert read_back(io, range(2)) == [Verdict.MISSING] * 2
+    assert recorded(tmp_path) == []
     other = open_io(tmp_path)  # nothing was published for another instance either
     assert other.exists_many([key(0), key(1)]) == set()
     other.close()
-    failing.fail = False
+    broken[0] = False
     assert io.write_many(items(host, range(2, 4))) == [None, None]  # both slots free again
+    assert recorded(tmp_path) == sorted([key(2), key(3)])
     io.close()
 
 
@@ -232,7 +244,7 @@ def test_a_key_in_two_dead_instances_slabs_is_adopted_once_and_removed_for_good(
     second.close()
     heir = open_io(tmp_path, slots=8)
     assert sorted(heir.inventory().blocks) == [key(1), key(2), key(3)]
-    assert len(heir.index.rows()) == 3  # the older copy's row is gone
+    assert recorded(tmp_path) == sorted([key(1), key(2), key(3)])  # the older copy's is gone
     heir.remove_many([key(1)])
     assert read_back(heir, [1, 2, 3]) == [Verdict.MISSING, payload(2), payload(3)]
     heir.close()

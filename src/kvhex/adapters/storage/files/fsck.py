@@ -2,36 +2,32 @@
 
 For each namespace directory under the root (see :mod:`kvhex.adapters.storage.files.slabs` for the
 layout) it checks that ``config.json`` is readable, names this layout version and hashes to
-the directory's name; that every row of the index points at an existing slab and slot whose
-header names the row's key and whose payload matches the header's checksum; and it reports
-slots that hold a whole-looking block without an index row (orphans: a crash between a
-block's write and its index commit leaves them; harmless, the slot is reused), slabs a
-crash left half-created, and files the tier does not know (foreign, ignored by the tier).
+the directory's name; that every slab file starts with a slot table and holds all its slots;
+that every record of the tables names a slot whose header names the record's key and whose
+payload matches the header's checksum; and it reports slots that hold a whole-looking block
+without a record (orphans: a crash between a block's write and its record leaves them;
+harmless, the slot is reused), slabs a crash left half-created, and files the tier does not
+know (foreign, ignored by the tier).
 
-Findings per index row:
+Findings per record:
 
-* ``CORRUPT``: the block is where the index says, but its bytes are wrong (bad magic, a
+* ``CORRUPT``: the block is where the record says, but its bytes are wrong (bad magic, a
   payload length that is not the slot's, a checksum that does not match the payload).
-* ``MISSING``: the index names a block that is not there: the slab is gone, the slot is past
-  its end, or the slot was unmarked or reused for another key (a removal whose index commit
-  a crash lost). The tier itself treats these as misses and drops them.
+* ``MISSING``: the record names a block that is not there: the slot is past the end of a
+  truncated slab, or it was unmarked or reused for another key (a removal whose record a
+  power loss kept). The tier itself treats these as misses and drops them.
 
 Nothing is modified and no lock is taken: slabs are opened read-only (never ``flock``ed, so
-live instances are not disturbed), and the SQLite index is read from a private copy of its
-files (SQLite would otherwise create or update the ``-wal``/``-shm`` files, even read-only).
-A live instance may change the tier while it is checked; run it on a quiet tier for an exact
-answer. The report is a plain value: :func:`check_root` is usable from Python.
+live instances are not disturbed). A live instance may change the tier while it is checked;
+run it on a quiet tier for an exact answer. The report is a plain value: :func:`check_root`
+is usable from Python.
 """
 
 from __future__ import annotations
 
-import contextlib
 import enum
 import json
 import os
-import shutil
-import sqlite3
-import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -39,11 +35,12 @@ from typing import Any
 import attrs
 
 from kvhex.adapters.storage.files.index import (
-    INDEX,
     KNOWN_ENTRIES,
     SLAB_DIR,
+    TableError,
     is_slab_id,
-    read_rows,
+    read_table,
+    table_bytes,
 )
 from kvhex.adapters.storage.format import (
     CONFIG,
@@ -70,7 +67,7 @@ _HEX = frozenset("0123456789abcdef")
 
 
 class Finding(enum.Enum):
-    """What is wrong with a block the index names."""
+    """What is wrong with a block a slot table names."""
 
     CORRUPT = "corrupt"
     MISSING = "missing"
@@ -78,7 +75,7 @@ class Finding(enum.Enum):
 
 @attrs.frozen
 class BlockFinding:
-    """One index row whose block is not intact: its key (hex), where the row points, why."""
+    """One record whose block is not intact: its key (hex), where it points, why."""
 
     key: str
     finding: Finding
@@ -89,7 +86,7 @@ class BlockFinding:
 
 @attrs.frozen
 class Orphan:
-    """A slot holding a whole-looking block that no index row names (harmless)."""
+    """A slot holding a whole-looking block that no record names (harmless)."""
 
     key: str
     slab: str
@@ -100,7 +97,7 @@ class Orphan:
 class NamespaceReport:
     """The verdict on one namespace directory.
 
-    ``problems`` are namespace-wide (configuration, index, slab geometry); ``findings`` name
+    ``problems`` are namespace-wide (configuration, slab tables and sizes); ``findings`` name
     single blocks. ``block_bytes`` counts the payload of intact blocks, ``slab_bytes`` the
     size of the slab files.
     """
@@ -183,7 +180,7 @@ def check_root(root: str | os.PathLike[str]) -> FsckReport:
 def _looks_like_namespace(path: Path) -> bool:
     if len(path.name) == 16 and set(path.name) <= _HEX:
         return True
-    return any((path / name).exists() for name in (CONFIG, INDEX, SLAB_DIR))
+    return any((path / name).exists() for name in (CONFIG, SLAB_DIR))
 
 
 def check_namespace(path: str | os.PathLike[str]) -> NamespaceReport:
@@ -210,9 +207,9 @@ class _Checker:
         slot_bytes = self._slot_bytes(config)
         self._foreign_entries()
         slabs = self._slab_files()
-        rows = self._index()
-        if slot_bytes is not None and rows is not None:
-            self._blocks(slabs, rows, slot_bytes)
+        if slot_bytes is not None:
+            for name, path in slabs.items():
+                self._slab(name, path, slot_bytes)
         corrupt = sum(f.finding is Finding.CORRUPT for f in self.findings)
         return NamespaceReport(
             name=self.path.name,
@@ -290,49 +287,8 @@ class _Checker:
                 self.foreign.append(f"{SLAB_DIR}/{entry}")
         return slabs
 
-    def _index(self) -> list[tuple[bytes, str, int]] | None:
-        """Every row of the index, read from a private copy (see the module docstring)."""
-        source = self.path / INDEX
-        with tempfile.TemporaryDirectory(prefix="kvhex-fsck-") as tmp:
-            try:
-                shutil.copyfile(source, os.path.join(tmp, INDEX))
-            except FileNotFoundError:
-                self.problems.append(f"{INDEX} missing: the blocks of this namespace are lost")
-                return None
-            except OSError as exc:
-                self.problems.append(f"{INDEX} unreadable: {exc}")
-                return None
-            # committed transactions not yet checkpointed into the main file
-            with contextlib.suppress(FileNotFoundError):
-                shutil.copyfile(f"{source}-wal", os.path.join(tmp, INDEX + "-wal"))
-            db = sqlite3.connect(os.path.join(tmp, INDEX))
-            try:
-                rows = read_rows(db)
-            except sqlite3.DatabaseError as exc:
-                self.problems.append(f"{INDEX} unreadable: {exc}")
-                return None
-            finally:
-                db.close()
-        return [(bytes(key), slab, slot) for key, slab, slot, _ in rows]
-
     # -- blocks --------------------------------------------------------------------------
-    def _blocks(
-        self, slabs: Mapping[str, Path], rows: list[tuple[bytes, str, int]], slot_bytes: int
-    ) -> None:
-        by_slab: dict[str, dict[int, list[bytes]]] = {}
-        for key, slab, slot in rows:
-            by_slab.setdefault(slab, {}).setdefault(slot, []).append(key)
-        for slab, slots in sorted(by_slab.items()):
-            if slab not in slabs:
-                for slot, keys in sorted(slots.items()):
-                    for key in keys:
-                        self._found(key, Finding.MISSING, "its slab file is missing", slab, slot)
-        for name, path in slabs.items():
-            self._slab(name, path, by_slab.get(name, {}), slot_bytes)
-
-    def _slab(
-        self, name: str, path: Path, rows: Mapping[int, list[bytes]], slot_bytes: int
-    ) -> None:
+    def _slab(self, name: str, path: Path, slot_bytes: int) -> None:
         slot_size = HEADER_AREA + slot_bytes
         try:
             fd = os.open(path, os.O_RDONLY)
@@ -340,25 +296,32 @@ class _Checker:
             self.problems.append(f"slab {name} unreadable: {exc.strerror or exc}")
             return
         try:
-            size = os.fstat(fd).st_size
             self.slab_count += 1
+            size = os.fstat(fd).st_size
             self.slab_bytes += size
-            count, rest = divmod(size, slot_size)
-            if rest:
+            try:
+                slots, records = read_table(fd)
+            except (OSError, TableError) as exc:
+                self.problems.append(f"slab {name}: {exc}")
+                return
+            base = table_bytes(slots)
+            count = max(0, (size - base) // slot_size)
+            if size != base + slots * slot_size:
                 self.problems.append(
-                    f"slab {name}: {size} bytes is not a whole number of {slot_size}-byte slots"
+                    f"slab {name}: {size} bytes, not its table and {slots} slots of "
+                    f"{slot_size} bytes"
                 )
-            for slot, keys in sorted(rows.items()):
-                if not 0 <= slot < count:
-                    for key in keys:
-                        reason = f"slot {slot} is past the end of the slab ({count} slots)"
-                        self._found(key, Finding.MISSING, reason, name, slot)
-            for slot in range(count):
-                offset = slot * slot_size
-                if slot in rows:
+            named = {}
+            for slot, key, _ in records:
+                named[slot] = key
+                if slot >= count:
+                    reason = f"slot {slot} is past the end of the slab ({count} slots)"
+                    self._found(key, Finding.MISSING, reason, name, slot)
+            for slot in range(min(count, slots)):
+                offset = base + slot * slot_size
+                if slot in named:
                     data = os.pread(fd, slot_size, offset)
-                    for key in rows[slot]:
-                        self._verify(key, data, slot_bytes, name, slot)
+                    self._verify(named[slot], data, slot_bytes, name, slot)
                 else:
                     self._orphan(os.pread(fd, 512, offset), slot_bytes, name, slot)
         finally:
@@ -394,9 +357,9 @@ def _diagnose(header: bytes, key: bytes, slot_bytes: int, got: int) -> tuple[Fin
         return Finding.MISSING, "the slot is cut short (slab truncated)"
     magic, length, _, held = parsed
     if magic == bytes(len(MAGIC)):
-        return Finding.MISSING, "the slot is unmarked (block removed; stale index row)"
+        return Finding.MISSING, "the slot is unmarked (block removed; stale record)"
     if magic == MAGIC and held != key:
-        return Finding.MISSING, f"the slot holds another block ({held.hex()}; stale index row)"
+        return Finding.MISSING, f"the slot holds another block ({held.hex()}; stale record)"
     if magic != MAGIC:
         reason = "bad magic in the block header"
     elif length != slot_bytes:

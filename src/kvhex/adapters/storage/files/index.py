@@ -1,43 +1,79 @@
-"""The shared SQLite index of a local file tier: which slab slot holds which key.
+"""The index of a local file tier: a slot table at the head of every slab file.
 
-One table, ``blocks (key, slab, slot, stored)``, keyed by (key, slab): every live instance on
-a root publishes the blocks of the slabs it owns there, and finds other instances' blocks
-through it. What the slab IO keeps true in every crash state (so a restart or fsck never
-finds a row whose slot holds something else): a row is inserted only after its block is
-written, and deleted before its slot is overwritten or unmarked.
+A slab file holds its table, then its slots (one block each, in the format of
+:mod:`kvhex.adapters.storage.format`)::
 
-Also here: the names a local namespace directory holds (:data:`INDEX`, :data:`SLAB_DIR`,
+    head      4096 bytes: magic "KVHXTAB1" | slots (u64) | generation (u64)
+    records   one 128-byte record per slot, padded to a multiple of 4096 bytes
+    slots     slots x slot size, from the first 4096-byte boundary after the records
+
+A record names the block its slot holds: key length (u16; 0: none) | 0 (u16) | CRC-32 of the
+stored time and the key (u32) | stored (f64, Unix seconds) | the key (at most 112 bytes) |
+zero padding. What the slab IO keeps true in every crash state that keeps the page cache (a
+process killed at any point): a record is set only after its block is written, and cleared
+before its slot is overwritten or unmarked, so a record always names a slot holding its block.
+A record torn by a power loss fails its CRC and names nothing (its block is then an orphan).
+
+Publishing a job's blocks costs one ``pwrite`` per run of adjacent slots, not a transaction
+per job: no lock is shared between the IO threads or between processes. Only the instance
+holding a slab's ``flock`` writes its table, and it bumps the table's generation after every
+change, so other instances (:class:`PeerTables`) re-read only the tables that changed, and of
+those only the pages that changed.
+
+Also here: the names a local namespace directory holds (:data:`SLAB_DIR`,
 :data:`KNOWN_ENTRIES`, :func:`is_slab_id`), which the slab IO and ``kvhex fsck`` share.
-
-Threads: one connection, used under one lock; SQLite itself serializes writers across
-processes (WAL mode).
 """
 
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
-import sqlite3
+import struct
 import threading
-from collections.abc import Sequence
+import zlib
+from collections.abc import Container, Iterable, Sequence
 
+from kvhex.adapters.storage.block_io import write_fully
 from kvhex.adapters.storage.format import CONFIG
 from kvhex.domain.keys import OffloadKey
 
-__all__ = ["INDEX", "KNOWN_ENTRIES", "SLAB_DIR", "Row", "SlabIndex", "is_slab_id", "read_rows"]
+__all__ = [
+    "KNOWN_ENTRIES",
+    "MAX_KEY_BYTES",
+    "RECORD_BYTES",
+    "SLAB_DIR",
+    "TABLE_MAGIC",
+    "PeerTables",
+    "Record",
+    "SlotTable",
+    "TableError",
+    "is_slab_id",
+    "pack_record",
+    "read_table",
+    "start_table",
+    "table_bytes",
+]
 
-INDEX = "index.sqlite"
 SLAB_DIR = "slabs"
-KNOWN_ENTRIES = frozenset({CONFIG, INDEX, INDEX + "-wal", INDEX + "-shm", SLAB_DIR})
+KNOWN_ENTRIES = frozenset({CONFIG, SLAB_DIR})
 """What a local namespace directory holds; anything else in it is foreign."""
-_SQL_VARS = 500  # keys per ``IN (...)`` query, under SQLite's variable limit
-_SCHEMA = (
-    "CREATE TABLE IF NOT EXISTS blocks (key BLOB NOT NULL, slab TEXT NOT NULL, "
-    "slot INTEGER NOT NULL, stored REAL NOT NULL, PRIMARY KEY (key, slab)) WITHOUT ROWID"
-)
+TABLE_MAGIC = b"KVHXTAB1"
+_HEAD = struct.Struct(">8sQQ")  # magic, slots, generation
+_GENERATION_AT = 16
+_PAGE = 4096
+RECORD_BYTES = 128
+_RECORD = struct.Struct(">HHId")  # key length, 0, CRC-32 of stored time and key, stored time
+MAX_KEY_BYTES = RECORD_BYTES - _RECORD.size
+"""The longest key a slot record holds (vLLM's keys: 12 to 36 bytes)."""
+_EMPTY = bytes(RECORD_BYTES)
 
-Row = tuple[OffloadKey, str, int, float]
-"""One block: key, slab id, slot, the time it was stored."""
+Record = tuple[int, OffloadKey, float]
+"""One block a table names: slot, key, the time it was stored."""
+
+
+class TableError(Exception):
+    """A slab file whose head is not a slot table (damaged, or not a slab)."""
 
 
 def is_slab_id(stem: str) -> bool:
@@ -45,98 +81,222 @@ def is_slab_id(stem: str) -> bool:
     return len(stem) == 32 and all(c in "0123456789abcdef" for c in stem)
 
 
-def read_rows(db: sqlite3.Connection) -> list[Row]:
-    """Every row of an index, oldest first.
+def table_bytes(slots: int) -> int:
+    """Bytes before the first slot of a slab of ``slots`` slots (a multiple of 4096)."""
+    return _PAGE + -(-slots * RECORD_BYTES // _PAGE) * _PAGE
+
+
+def pack_record(key: OffloadKey, stored: float) -> bytes:
+    """The record of ``key``'s block, stored at ``stored``.
 
     Raises:
-        sqlite3.DatabaseError: the index is unreadable.
+        ValueError: the key is longer than :data:`MAX_KEY_BYTES`.
     """
-    rows = db.execute("SELECT key, slab, slot, stored FROM blocks ORDER BY stored").fetchall()
-    return [(OffloadKey(bytes(k)), str(slab), int(slot), float(t)) for k, slab, slot, t in rows]
+    if len(key) > MAX_KEY_BYTES:
+        raise ValueError(f"a {len(key)}-byte key is longer than a slot record holds")
+    tail = struct.pack(">d", stored) + key
+    head = _RECORD.pack(len(key), 0, zlib.crc32(tail, len(key)), stored)
+    return (head + key).ljust(RECORD_BYTES, b"\0")
 
 
-class SlabIndex:
-    """The index of one namespace directory ``root``, opened (created ``0600``) at
-    construction. An unreadable index (a power loss without ``fsync``, a damaged disk) is
-    replaced by an empty one and ``rebuilt`` is set: the caller recovers its blocks from the
-    slab headers.
+def _records(data: bytes, first: int) -> list[Record]:
+    """The valid records in ``data`` (whole records of slots ``first``, ``first + 1``, ...)."""
+    out: list[Record] = []
+    unpack = _RECORD.unpack_from
+    for at in range(0, len(data) - RECORD_BYTES + 1, RECORD_BYTES):
+        if data[at] == 0 and data[at + 1] == 0:
+            continue  # empty (key length 0)
+        length, _, crc, stored = unpack(data, at)
+        key = data[at + _RECORD.size : at + _RECORD.size + length]
+        if (
+            0 < length <= MAX_KEY_BYTES
+            and zlib.crc32(data[at + 8 : at + _RECORD.size + length], length) == crc
+        ):
+            out.append((first + at // RECORD_BYTES, OffloadKey(key), stored))
+    return out
+
+
+def start_table(fd: int, slots: int) -> None:
+    """Write the head of a new slab's table (its records are zero: every slot empty).
 
     Raises:
-        sqlite3.Error, OSError: the index cannot be created.
+        OSError: the write failed.
     """
+    head = _HEAD.pack(TABLE_MAGIC, slots, 0)
+    if os.pwrite(fd, head, 0) != len(head):
+        raise OSError(5, "short write of a slab's table head")
 
-    def __init__(self, root: str, *, fsync: bool) -> None:
-        self.path = os.path.join(root, INDEX)
-        self.fsync = fsync
-        self._lock = threading.Lock()
-        self.rebuilt = False
-        try:
-            self._db = self._open()
-        except sqlite3.DatabaseError:
-            for suffix in ("", "-wal", "-shm"):
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(self.path + suffix)
-            self._db = self._open()
-            self.rebuilt = True
 
-    def _open(self) -> sqlite3.Connection:
-        os.close(os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600))  # SQLite's files inherit it
-        db = sqlite3.connect(self.path, timeout=30, isolation_level=None, check_same_thread=False)
-        try:
-            db.execute("PRAGMA journal_mode=WAL")
-            # without fsync, SQLite need not sync either: a process crash keeps every committed
-            # transaction (the WAL is in the page cache); a power loss may cost the index, which
-            # is then rebuilt from the slab headers
-            db.execute(f"PRAGMA synchronous={'NORMAL' if self.fsync else 'OFF'}")
-            db.execute(_SCHEMA)
-            db.execute("SELECT count(*) FROM blocks").fetchall()  # reads every page header
-        except sqlite3.DatabaseError:
-            db.close()
-            raise
-        return db
+def _read_head(fd: int) -> tuple[int, int]:
+    """(slots, generation) of the slab open as ``fd``.
 
-    def rows(self) -> list[Row]:
-        """Every row, oldest first (start-up)."""
-        with self._lock:
-            return read_rows(self._db)
+    Raises:
+        TableError: no table head there.
+        OSError: the read failed.
+    """
+    data = os.pread(fd, _HEAD.size, 0)
+    if len(data) < _HEAD.size:
+        raise TableError("the file is shorter than a slot table's head")
+    magic, slots, generation = _HEAD.unpack(data)
+    if magic != TABLE_MAGIC or slots == 0:
+        raise TableError("no slot table at the head of the file")
+    return slots, generation
 
-    def commit(
-        self, deletes: Sequence[tuple[OffloadKey, str]], inserts: Sequence[Row] = ()
-    ) -> None:
-        """Delete the (key, slab) rows ``deletes`` and insert ``inserts``, in one transaction.
+
+def read_table(fd: int) -> tuple[int, list[Record]]:
+    """The slot count of the slab open as ``fd`` and the blocks its table names.
+
+    Raises:
+        TableError: no table head there.
+        OSError: the read failed.
+    """
+    slots, _ = _read_head(fd)
+    data = os.pread(fd, slots * RECORD_BYTES, _PAGE)
+    return slots, _records(data, 0)
+
+
+class SlotTable:
+    """The table of one slab this instance owns (and holds locked): sets and clears its
+    records, then bumps its generation. Safe from several IO threads at once (they write
+    different slots' records)."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+        self._generation = itertools.count(_read_head(fd)[1] + 1)
+
+    def write(self, entries: Iterable[tuple[int, bytes]]) -> None:
+        """Write each (slot, record), ``b""`` clearing one: one ``pwrite`` per run of
+        adjacent slots, then the generation.
 
         Raises:
-            sqlite3.Error: the transaction failed; nothing of it is published.
+            OSError: a write failed; records before it may be written.
         """
-        if not deletes and not inserts:
+        ordered = sorted(entries)
+        if not ordered:
             return
-        with self._lock:
-            db = self._db
-            db.execute("BEGIN IMMEDIATE")
-            try:
-                if deletes:
-                    db.executemany("DELETE FROM blocks WHERE key = ? AND slab = ?", deletes)
-                if inserts:
-                    db.executemany("INSERT OR REPLACE INTO blocks VALUES (?, ?, ?, ?)", inserts)
-            except BaseException:
-                db.execute("ROLLBACK")
-                raise
-            db.execute("COMMIT")
+        fd = self.fd
+        first = prev = ordered[0][0]
+        run = [ordered[0][1] or _EMPTY]
+        for slot, record in ordered[1:]:
+            if slot != prev + 1:
+                write_fully(fd, (b"".join(run),), _PAGE + first * RECORD_BYTES)
+                first, run = slot, []
+            run.append(record or _EMPTY)
+            prev = slot
+        write_fully(fd, (b"".join(run),), _PAGE + first * RECORD_BYTES)
+        write_fully(fd, (struct.pack(">Q", next(self._generation)),), _GENERATION_AT)
 
-    def lookup(self, keys: Sequence[OffloadKey]) -> dict[OffloadKey, tuple[str, int]]:
-        """Where instances hold ``keys`` (one place each)."""
-        found: dict[OffloadKey, tuple[str, int]] = {}
-        for start in range(0, len(keys), _SQL_VARS):
-            batch = keys[start : start + _SQL_VARS]
-            marks = ",".join("?" * len(batch))
-            sql = f"SELECT key, slab, slot FROM blocks WHERE key IN ({marks})"
-            with self._lock:
-                rows = self._db.execute(sql, batch).fetchall()
-            for key, slab, slot in rows:
-                found.setdefault(OffloadKey(bytes(key)), (str(slab), int(slot)))
-        return found
+
+class _Peer:
+    """Another instance's slab, as last read: its generation, table bytes and records."""
+
+    __slots__ = ("fd", "generation", "keys", "name", "path", "slots", "table")
+
+    def __init__(self, name: str, path: str, fd: int, slots: int) -> None:
+        self.name = name
+        self.path = path
+        self.fd = fd
+        self.slots = slots
+        self.generation = -1
+        self.table = b""
+        self.keys: dict[int, OffloadKey] = {}  # slot -> key
+
+
+class PeerTables:
+    """The blocks of other instances on the same namespace directory (every slab file this
+    one does not own, live or dead), read from their slot tables.
+
+    Each lookup re-reads what changed first: the slab directory (new slabs), then each known
+    slab's generation; a slab whose generation moved has its table read again and only its
+    changed pages parsed. So a lookup sees every block another instance published before it
+    began, and none it removed before. A place found is still checked by the read, which
+    verifies the block's header (a slot reused meanwhile names another key: a miss).
+
+    Args:
+        slab_dir: the namespace's slab directory.
+        own: the names of the slabs this instance owns (never read as a peer's).
+    """
+
+    def __init__(self, slab_dir: str, own: Container[str]) -> None:
+        self._dir = slab_dir
+        self._own = own
+        self._lock = threading.Lock()
+        self._peers: dict[str, _Peer] = {}
+        self._unreadable: set[str] = set()
+        self._where: dict[OffloadKey, tuple[_Peer, int]] = {}
+
+    def find(self, keys: Sequence[OffloadKey]) -> dict[OffloadKey, tuple[str, int, int, int]]:
+        """Where other instances hold ``keys``: (slab path, open fd, slot, offset of slot 0)
+        per key found."""
+        with self._lock:
+            self._refresh()
+            where = self._where
+            found = {}
+            for key in keys:
+                place = where.get(key)
+                if place is not None:
+                    peer, slot = place
+                    found[key] = (peer.path, peer.fd, slot, table_bytes(peer.slots))
+            return found
+
+    def _refresh(self) -> None:
+        try:
+            names = os.listdir(self._dir)
+        except OSError:
+            names = []
+        for entry in names:
+            stem, _, ext = entry.partition(".")
+            if ext != "slab" or stem in self._peers or stem in self._unreadable:
+                continue
+            if stem in self._own or not is_slab_id(stem):
+                continue
+            self._open(stem, os.path.join(self._dir, entry))
+        for peer in self._peers.values():
+            try:
+                generation = struct.unpack(">Q", os.pread(peer.fd, 8, _GENERATION_AT))[0]
+                if generation != peer.generation:
+                    table = os.pread(peer.fd, peer.slots * RECORD_BYTES, _PAGE)
+                    peer.generation = generation
+                    self._reread(peer, table)
+            except (OSError, struct.error):
+                continue  # a damaged peer slab: what was read of it stands (reads verify)
+
+    def _open(self, name: str, path: str) -> None:
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except OSError:
+            return
+        try:
+            slots, _ = _read_head(fd)
+        except (OSError, TableError):
+            os.close(fd)
+            self._unreadable.add(name)
+            return
+        self._peers[name] = _Peer(name, path, fd, slots)
+
+    def _reread(self, peer: _Peer, table: bytes) -> None:
+        """Parse the pages of ``table`` that differ from the last read."""
+        old = peer.table
+        where = self._where
+        for at in range(0, len(table), _PAGE):
+            page = table[at : at + _PAGE]
+            if old[at : at + _PAGE] == page:
+                continue
+            first = at // RECORD_BYTES
+            for slot in range(first, first + len(page) // RECORD_BYTES):
+                gone = peer.keys.pop(slot, None)
+                if gone is not None and where.get(gone) == (peer, slot):
+                    del where[gone]
+            for slot, key, _ in _records(page, first):
+                peer.keys[slot] = key
+                where[key] = (peer, slot)
+        peer.table = table
 
     def close(self) -> None:
-        """Close the connection. Idempotent."""
+        """Close the peers' files. Idempotent."""
         with self._lock:
-            self._db.close()
+            for peer in self._peers.values():
+                with contextlib.suppress(OSError):
+                    os.close(peer.fd)
+            self._peers.clear()
+            self._where.clear()

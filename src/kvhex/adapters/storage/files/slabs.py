@@ -1,33 +1,34 @@
-"""Local file tiers: blocks in slots of preallocated slab files, published through a shared
-SQLite index (:mod:`kvhex.adapters.storage.files.index`). The :class:`BlockIo` of the fsspec
-tier on a local root and of NIXL's POSIX tier.
+"""Local file tiers: blocks in slots of preallocated slab files, each slab publishing its
+blocks in the slot table at its head (:mod:`kvhex.adapters.storage.files.index`). The
+:class:`BlockIo` of the fsspec tier on a local root and of NIXL's POSIX tier.
 
 Layout under the namespace directory (see :mod:`kvhex.adapters.storage.format` for the block
 format)::
 
     config.json         what makes blocks compatible, recorded
-    index.sqlite        shared index: key -> (slab, slot), SQLite WAL
-    slabs/<id>.slab     preallocated slab files of fixed-size slots, one block each
+    slabs/<id>.slab     preallocated slab files: a slot table, then fixed-size slots
 
 Names are built only from hex (random 128-bit slab ids); files are created ``0600`` and
 directories ``0700``.
 
 Each live instance holds an exclusive ``flock`` on the slabs it owns, and only it writes or
-frees their slots. A put first deletes its victims' index rows, then writes its blocks (header
-and payload together, by the mover: ``pwritev`` runs of adjacent slots, or NIXL) into the
-victims' slots and free ones, then publishes the new rows in one transaction. A removal
-deletes the rows, then unmarks the slots' headers, then frees them. So in every crash state an
-index row names a slot holding its block: a restart announces only blocks it can serve, and
-what a crash leaves is at worst an orphan (a whole-looking block no row names; its slot is
-free). Concurrent jobs write to different slabs where they can: writes into one file
-serialize on its inode lock, so the capacity is spread over at least ``stripes`` slab files.
+frees their slots and records. A put first clears its victims' records, then writes its
+blocks (header and payload together, by the mover: ``pwritev`` runs of adjacent slots, or
+NIXL) into the victims' slots and free ones, then sets the new records. A removal clears the
+records, then unmarks the slots' headers, then frees them. So in every crash state a record
+names a slot holding its block: a restart announces only blocks it can serve, and what a crash
+leaves is at worst an orphan (a whole-looking block no record names; its slot is free).
+Concurrent jobs write to different slabs where they can: writes into one file serialize on
+its inode lock, so the capacity is spread over at least ``stripes`` slab files.
 
 At start-up an instance adopts the slabs of instances that died (their lock is free) with
-their blocks; a key found in several adopted slabs is kept once, the newest. Other live
-instances' blocks are found through the index and read from their slabs, never removed here.
+their blocks; a key found in several adopted slabs is kept once, the newest. Other instances'
+blocks are found through their slabs' tables
+(:class:`~kvhex.adapters.storage.files.index.PeerTables`) and read from their slabs, never
+removed here.
 
 Threads: every method may run on any IO thread; ``_lock`` guards slabs, free lists and the
-block map. No syscall runs under ``_lock`` but creating a slab and opening another instance's.
+block map. No syscall runs under ``_lock`` but creating a slab.
 """
 
 from __future__ import annotations
@@ -52,10 +53,17 @@ from kvhex.adapters.storage.block_io import (
 )
 from kvhex.adapters.storage.files.index import (
     KNOWN_ENTRIES,
+    MAX_KEY_BYTES,
     SLAB_DIR,
-    Row,
-    SlabIndex,
+    PeerTables,
+    Record,
+    SlotTable,
+    TableError,
     is_slab_id,
+    pack_record,
+    read_table,
+    start_table,
+    table_bytes,
 )
 from kvhex.adapters.storage.format import (
     CONFIG,
@@ -63,7 +71,6 @@ from kvhex.adapters.storage.format import (
     MAGIC,
     Verdict,
     pack_header,
-    parse_header,
     verify,
 )
 from kvhex.domain.keys import OffloadKey
@@ -82,13 +89,15 @@ _RUN_BLOCKS = 512
 class _Slab:
     """One slab file this instance owns (its ``flock`` held while open)."""
 
-    __slots__ = ("fd", "free", "name", "path", "slots", "writers")
+    __slots__ = ("base", "fd", "free", "name", "path", "slots", "table", "writers")
 
     def __init__(self, name: str, path: str, fd: int, slots: int, used: Iterable[int]) -> None:
         self.name = name
         self.path = path
         self.fd = fd
         self.slots = slots
+        self.base = table_bytes(slots)  # where slot 0 starts
+        self.table = SlotTable(fd)
         self.writers = 0  # jobs writing into it now
         taken = set(used)
         # popped from the end: ascending slot order while the slab fills
@@ -113,7 +122,7 @@ class SlabIo:
 
     Raises:
         NamespaceConflict: ``config.json`` records another configuration.
-        OSError, sqlite3.Error: the directory or the index cannot be used.
+        OSError: the directory or a slab cannot be used.
     """
 
     exclusive = True
@@ -140,41 +149,34 @@ class SlabIo:
         self._lock = threading.Lock()
         self._slabs: dict[str, _Slab] = {}
         self._where: dict[OffloadKey, _Place] = {}
-        self._foreign_fds: dict[str, int] = {}
         os.makedirs(root, mode=0o700, exist_ok=True)
         os.makedirs(self.slab_dir, mode=0o700, exist_ok=True)
         recorded = _write_config(os.path.join(root, CONFIG), config)
         if recorded is not None and recorded != config:
             raise NamespaceConflict(recorded)
-        self.index = SlabIndex(root, fsync=fsync)
-        if self.index.rebuilt:
-            log.warning("tier_index_rebuilt", root=root)
-        self._inventory = self._adopt_all()
+        self.peers = PeerTables(self.slab_dir, self._slabs)
+        try:
+            self._inventory = self._adopt_all()
+        except BaseException:
+            self.close()
+            raise
 
     # -- start-up ------------------------------------------------------------------------
     def _adopt_all(self) -> Inventory:
-        """Take over the slabs of dead instances (their lock is free) with their blocks,
-        each key once (the newest copy; older copies are removed)."""
+        """Take over the slabs of dead instances (their lock is free) with the blocks their
+        tables name, each key once (the newest copy; older copies are removed)."""
         foreign = sum(1 for name in os.listdir(self.root) if name not in KNOWN_ENTRIES)
-        rows: dict[str, list[Row]] = {}
-        if not self.index.rebuilt:
-            for row in self.index.rows():
-                rows.setdefault(row[1], []).append(row)
         held: list[tuple[float, OffloadKey, _Place]] = []
         for name in sorted(os.listdir(self.slab_dir)):
             stem, _, ext = name.partition(".")
             if not is_slab_id(stem) or ext not in ("slab", "new"):
                 foreign += 1
                 continue
-            slab = self._adopt(stem, os.path.join(self.slab_dir, name), ext == "new")
-            if slab is None:
+            adopted = self._adopt(stem, os.path.join(self.slab_dir, name), ext == "new")
+            if adopted is None:
                 continue
-            if self.index.rebuilt:
-                found = self._scan(slab)
-            else:
-                found = [(k, s, t) for k, _, s, t in rows.get(stem, ()) if 0 <= s < slab.slots]
-            for key, slot, stored in found:
-                held.append((stored, key, (slab, slot)))
+            slab, records = adopted
+            held.extend((stored, key, (slab, slot)) for slot, key, stored in records)
         held.sort(key=lambda h: h[0])  # oldest first: a later copy of a key replaces it
         older: list[tuple[OffloadKey, _Place]] = []
         for _, key, place in held:
@@ -184,16 +186,14 @@ class SlabIo:
         for slab in self._slabs.values():
             taken = {slot for s, slot in self._where.values() if s is slab}
             slab.free = [s for s in range(slab.slots - 1, -1, -1) if s not in taken]
-        if older:  # a key in two adopted slabs: the older copy's row goes, then its header
-            self.index.commit(
-                [(k, slab.name) for k, (slab, _) in older if self._where[k][0] is not slab]
-            )
+        if older:  # a key in two adopted slabs: the older copy's record goes, then its header
+            self._unpublish(older)
             for _, (slab, slot) in older:
-                os.pwrite(slab.fd, _UNMARKED, slot * self.slot_size)
+                os.pwrite(slab.fd, _UNMARKED, slab.base + slot * self.slot_size)
         order = [key for _, key, place in held if self._where[key] == place]
         return Inventory(order, foreign)
 
-    def _adopt(self, name: str, path: str, unfinished: bool) -> _Slab | None:
+    def _adopt(self, name: str, path: str, unfinished: bool) -> tuple[_Slab, list[Record]] | None:
         try:
             fd = os.open(path, os.O_RDWR)
         except FileNotFoundError:
@@ -203,29 +203,23 @@ class SlabIo:
         except OSError:
             os.close(fd)  # a live instance's
             return None
-        slots = os.fstat(fd).st_size // self.slot_size
-        if unfinished or slots == 0:  # a crash while creating it: it never held a block
+        if unfinished:  # a crash while creating it: it never held a block
             os.unlink(path)
             os.close(fd)
             return None
+        try:
+            slots, records = read_table(fd)
+        except TableError as exc:  # left as it is, for fsck to report
+            log.warning("tier_slab_unreadable", slab=name, error=str(exc))
+            os.close(fd)
+            return None
         slab = _Slab(name, path, fd, slots, ())
+        if os.fstat(fd).st_size < slab.base + slots * self.slot_size:
+            log.warning("tier_slab_unreadable", slab=name, error="shorter than its slots")
+            os.close(fd)
+            return None
         self._slabs[name] = slab
-        return slab
-
-    def _scan(self, slab: _Slab) -> list[tuple[OffloadKey, int, float]]:
-        """Blocks whose header looks whole in each slot of a slab (payloads are verified when
-        read), written back to the index (an unreadable index is being rebuilt)."""
-        stored = os.fstat(slab.fd).st_mtime
-        payload = self.slot_size - HEADER_AREA
-        found: list[tuple[OffloadKey, int, float]] = []
-        for slot in range(slab.slots):
-            header = parse_header(os.pread(slab.fd, 512, slot * self.slot_size))
-            if header is None:
-                break
-            if header.magic == MAGIC and header.length == payload and len(header.key) > 4:
-                found.append((OffloadKey(header.key), slot, stored))
-        self.index.commit([], [(k, slab.name, s, t) for k, s, t in found])
-        return found
+        return slab, records
 
     def inventory(self) -> Inventory:
         """Blocks adopted at start-up, oldest first, and foreign entries seen."""
@@ -274,11 +268,11 @@ class SlabIo:
                 slab.writers -= 1
 
     def _free(self, slots: Sequence[_Place]) -> None:
-        """Unmark the headers of ``slots`` (no rebuilt index or scan brings a removed or torn
-        block back), then make them free. Their rows must be gone already."""
+        """Unmark the headers of ``slots`` (fsck's scan finds no removed or torn block
+        there), then make them free. Their records must be cleared already."""
         for slab, slot in slots:
             with contextlib.suppress(OSError):
-                os.pwrite(slab.fd, _UNMARKED, slot * self.slot_size)
+                os.pwrite(slab.fd, _UNMARKED, slab.base + slot * self.slot_size)
         with self._lock:
             for slab, slot in slots:
                 slab.free.append(slot)
@@ -290,7 +284,8 @@ class SlabIo:
         fd = os.open(building, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            os.posix_fallocate(fd, 0, slots * self.slot_size)
+            os.posix_fallocate(fd, 0, table_bytes(slots) + slots * self.slot_size)
+            start_table(fd, slots)
             os.rename(building, path)  # the lock stays with the open file
         except BaseException:
             os.close(fd)
@@ -307,14 +302,17 @@ class SlabIo:
             return [(k, where) for k in keys if (where := self._where.pop(k, None))]
 
     def _unpublish(self, places: list[tuple[OffloadKey, _Place]]) -> None:
-        """Delete the rows of ``places`` (taken out of the block map), before their slots are
-        reused or unmarked.
+        """Clear the records of ``places`` (taken out of the block map), before their slots
+        are reused or unmarked (and, with ``fsync``, on the device before that).
 
         Raises:
-            sqlite3.Error: the rows remain; the places are owned again.
+            OSError: the records may remain; the places are owned again.
         """
         try:
-            self.index.commit([(key, slab.name) for key, (slab, _) in places])
+            _publish([(slab, slot, b"") for _, (slab, slot) in places])
+            if self.fsync:
+                for fd in {slab.fd for _, (slab, _) in places}:
+                    os.fdatasync(fd)
         except BaseException:
             with self._lock:
                 for key, place in places:
@@ -325,22 +323,26 @@ class SlabIo:
     def write_many(
         self, items: Sequence[tuple[OffloadKey, memoryview]], evict: Sequence[OffloadKey] = ()
     ) -> list[str | None]:
-        """Remove the victims ``evict`` (their rows first), write ``items`` into their slots
-        and free ones, publish the written blocks; per item ``None`` or why it was not
+        """Remove the victims ``evict`` (their records first), write ``items`` into their
+        slots and free ones, publish the written blocks; per item ``None`` or why it was not
         stored."""
         victims = self._take(evict)
         if victims:
             self._unpublish(victims)
-        room = [place for _, place in victims]
-        slots, spare, short = self._allocate(len(items), room)
         errors: list[str | None] = [None] * len(items)
-        errors[len(slots) :] = [short] * (len(items) - len(slots))
+        fit = [i for i, (key, _) in enumerate(items) if len(key) <= MAX_KEY_BYTES]
+        for i in sorted(set(range(len(items))) - set(fit)):
+            errors[i] = f"a {len(items[i][0])}-byte key is longer than a slot record holds"
+        room = [place for _, place in victims]
+        slots, spare, short = self._allocate(len(fit), room)
+        for i in fit[len(slots) :]:
+            errors[i] = short
         size = self.slot_size
         try:
             written = self.mover.write_slots(
                 [
-                    (slab.fd, slot * size, key, view)
-                    for (key, view), (slab, slot) in zip(items, slots, strict=False)
+                    (slab.fd, slab.base + slot * size, *items[i])
+                    for i, (slab, slot) in zip(fit, slots, strict=False)
                 ]
             )
         except BaseException:  # a bug or a backend failure outside per-block handling
@@ -349,28 +351,28 @@ class SlabIo:
             raise
         done: list[tuple[OffloadKey, _Slab, int]] = []
         unused = list(spare)
-        for i, ((key, _), place, error) in enumerate(zip(items, slots, written, strict=False)):
+        for i, place, error in zip(fit, slots, written, strict=False):
             if error is None:
-                done.append((key, *place))
+                done.append((items[i][0], *place))
             else:
                 errors[i] = error
                 unused.append(place)
         self._free(unused)
         replaced = self._take(key for key, _, _ in done)  # an older copy of a key rewritten
+        now = time.time()
         try:
             if self.fsync:
                 for fd in {slab.fd for _, slab, _ in done}:
                     os.fdatasync(fd)
-            now = time.time()
-            # one transaction: the rows of older copies of rewritten keys go (deletes run
-            # first), the new rows come
-            self.index.commit(
-                [(key, slab.name) for key, (slab, _) in replaced],
-                [(key, slab.name, slot, now) for key, slab, slot in done],
-            )
-        except Exception as exc:
-            text = oserror(exc) if isinstance(exc, OSError) else f"index: {exc}"
-            errors[: len(slots)] = [text if e is None else e for e in errors[: len(slots)]]
+            # the new records, then the older copies' (a crash in between leaves two copies
+            # of a key: a restart keeps the newer)
+            _publish([(slab, slot, pack_record(key, now)) for key, slab, slot in done])
+            _publish([(slab, slot, b"") for _, (slab, slot) in replaced])
+        except OSError as exc:
+            for i in fit[: len(slots)]:
+                errors[i] = errors[i] or oserror(exc)
+            with contextlib.suppress(OSError):  # no record may name a slot freed here
+                _publish([(slab, slot, b"") for _, slab, slot in done])
             with self._lock:
                 for key, place in replaced:
                     self._where.setdefault(key, place)
@@ -388,6 +390,7 @@ class SlabIo:
         """(fd, offset) of each key: owned blocks first, then other instances' slabs."""
         out: list[tuple[int, int] | None] = []
         missing: list[OffloadKey] = []
+        size = self.slot_size
         with self._lock:
             for key in keys:
                 where = self._where.get(key)
@@ -395,29 +398,15 @@ class SlabIo:
                     missing.append(key)
                     out.append(None)
                 else:
-                    out.append((where[0].fd, where[1] * self.slot_size))
+                    slab, slot = where
+                    out.append((slab.fd, slab.base + slot * size))
         if missing:
-            elsewhere = self.index.lookup(missing)
+            elsewhere = self.peers.find(missing)
             for i, key in enumerate(keys):
                 if out[i] is None and key in elsewhere:
-                    slab, slot = elsewhere[key]
-                    fd = self._foreign_fd(slab)
-                    if fd is not None:
-                        out[i] = (fd, slot * self.slot_size)
+                    _, fd, slot, base = elsewhere[key]
+                    out[i] = (fd, base + slot * size)
         return out
-
-    def _foreign_fd(self, slab: str) -> int | None:
-        with self._lock:
-            fd = self._foreign_fds.get(slab)
-            if fd is None and slab in self._slabs:
-                return self._slabs[slab].fd
-            if fd is None and is_slab_id(slab):
-                try:
-                    fd = os.open(os.path.join(self.slab_dir, slab + ".slab"), os.O_RDONLY)
-                except FileNotFoundError:
-                    return None
-                self._foreign_fds[slab] = fd
-            return fd
 
     def read_many(self, items: Sequence[tuple[OffloadKey, memoryview]]) -> list[Verdict]:
         """Read and verify each key's block (this instance's or another's)."""
@@ -442,7 +431,7 @@ class SlabIo:
         with self._lock:
             found = {k for k in keys if k in self._where}
         rest = [k for k in keys if k not in found]
-        return found | set(self.index.lookup(rest)) if rest else found
+        return found | set(self.peers.find(rest)) if rest else found
 
     def location(self, key: OffloadKey) -> Located:
         """The slab file holding ``key``'s block and the offset of its header.
@@ -453,26 +442,24 @@ class SlabIo:
         with self._lock:
             where = self._where.get(key)
         if where is not None:
-            return where[0].path, where[1] * self.slot_size
-        found = self.index.lookup([key])
+            slab, slot = where
+            return slab.path, slab.base + slot * self.slot_size
+        found = self.peers.find([key])
         if key not in found:
             raise KeyError(key.hex())
-        slab, slot = found[key]
-        return os.path.join(self.slab_dir, slab + ".slab"), slot * self.slot_size
+        path, _, slot, base = found[key]
+        return path, base + slot * self.slot_size
 
     def close(self) -> None:
         """Release the mover, then the slabs (their locks: a later instance may adopt
-        them) and the index."""
+        them) and the peers' files. Idempotent."""
         self.mover.close()
         with self._lock:
-            for fd in self._foreign_fds.values():
-                os.close(fd)
             for slab in self._slabs.values():
                 os.close(slab.fd)
-            self._foreign_fds.clear()
             self._slabs.clear()
             self._where.clear()
-        self.index.close()
+        self.peers.close()
 
 
 class PosixSlotMover:
@@ -531,6 +518,15 @@ def _runs(places: Sequence[tuple[int, int, int]]) -> Iterator[list[int]]:
         end = (fd, offset + HEADER_AREA + length)
     if run:
         yield run
+
+
+def _publish(entries: Iterable[tuple[_Slab, int, bytes]]) -> None:
+    """Write each (slab, slot, record) (``b""`` clears it), grouped by slab."""
+    by_slab: dict[_Slab, list[tuple[int, bytes]]] = {}
+    for slab, slot, record in entries:
+        by_slab.setdefault(slab, []).append((slot, record))
+    for slab, records in by_slab.items():
+        slab.table.write(records)
 
 
 def _write_config(path: str, data: bytes) -> bytes | None:
