@@ -113,6 +113,22 @@ def _set(path: str, value: Any) -> Change:
     return change
 
 
+def _set_other(path: str, *values: Any) -> Change:
+    """Set ``<path>`` to the first of ``values`` it does not hold already (what vLLM picks
+    can depend on the CPU: its CPU platform resets the Mamba SSM state dtype to float32 where
+    AVX-512 BF16 is supported)."""
+    *parents, name = path.split(".")
+
+    def change(e: Engine) -> None:
+        target = e.vllm
+        for parent in parents:
+            target = getattr(target, parent)
+        current = getattr(target, name)
+        setattr(target, name, next(v for v in values if v != current))
+
+    return change
+
+
 def _extra(**keys: Any) -> Change:
     return lambda e: e.vllm.kv_transfer_config.kv_connector_extra_config.update(keys)
 
@@ -242,7 +258,8 @@ FIELDS: dict[str, Field] = {
         "kv_cache_dtype_skip_layers", _set("cache_config.kv_cache_dtype_skip_layers", ["0"])
     ),
     "Mamba state dtype": Field(
-        "mamba_cache_dtypes", _set("cache_config.mamba_ssm_cache_dtype", "float32")
+        "mamba_cache_dtypes",
+        _set_other("cache_config.mamba_ssm_cache_dtype", "float32", "float16"),
     ),
     "quantization": Field("quantization", _set("model_config.quantization", "fp8")),
     "online quantization config": Field(
