@@ -308,3 +308,26 @@ def test_a_writer_killed_between_its_slab_write_and_its_commit_leaves_only_serva
     report = check_root(tmp_path)
     assert report.clean, report.as_dict()
     assert {o.key for o in report.namespaces[0].orphans} == {key(10).hex(), key(11).hex()}
+
+
+def test_another_instance_follows_the_tables_as_they_change(
+    tmp_path: Path, host: MemoryHostBuffer
+) -> None:
+    """Through the slot tables alone, a second live instance sees every block the first
+    published before each lookup (across pages of the table and a slab created later),
+    none it removed, and ignores a slab whose table head is damaged."""
+    a = open_io(tmp_path, slots=96, stripes=2)  # 48 slots a slab: a table of 2 record pages
+    b = open_io(tmp_path, slots=8)
+    ids = list(range(40))
+    assert a.write_many(items(host, ids)) == [None] * 40
+    assert b.exists_many([key(i) for i in range(50)]) == {key(i) for i in ids}
+    a.remove_many([key(i) for i in (0, 33, 39)])  # records on both pages
+    assert a.write_many(items(host, range(100, 140))) == [None] * 40  # into a second slab
+    live = {*ids, *range(100, 140)} - {0, 33, 39}
+    assert b.exists_many([key(i) for i in range(150)]) == {key(i) for i in live}
+    assert read_back(b, [1, 33, 120]) == [payload(1), Verdict.MISSING, payload(120)]
+    assert len(slab_files(tmp_path)) == 2  # both a's: b has written nothing
+    (tmp_path / NAME / SLAB_DIR / ("ef" * 16 + ".slab")).write_bytes(b"not a table" * 100)
+    assert b.exists_many([key(1), key(2)]) == {key(1), key(2)}
+    b.close()
+    a.close()
