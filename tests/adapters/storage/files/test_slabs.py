@@ -331,3 +331,19 @@ def test_another_instance_follows_the_tables_as_they_change(
     assert b.exists_many([key(1), key(2)]) == {key(1), key(2)}
     b.close()
     a.close()
+
+
+def test_a_slab_that_turns_out_to_be_this_instances_own_is_no_peers(
+    tmp_path: Path, host: MemoryHostBuffer
+) -> None:
+    """A slab listed while this instance was creating it (named as its own only after the
+    rename) is dropped from the peers at the next lookup, with every key it named."""
+    a = open_io(tmp_path, slots=8)
+    assert a.write_many(items(host, [1, 2])) == [None, None]
+    own: set[str] = set()
+    peers = index.PeerTables(str(tmp_path / NAME / SLAB_DIR), own)
+    assert set(peers.find([key(1), key(3)])) == {key(1)}
+    own.add(slab_files(tmp_path)[0].stem)
+    assert peers.find([key(1), key(2)]) == {}
+    peers.close()
+    a.close()

@@ -251,7 +251,10 @@ class PeerTables:
             if stem in self._own or not is_slab_id(stem):
                 continue
             self._open(stem, os.path.join(self._dir, entry))
-        for peer in self._peers.values():
+        for peer in list(self._peers.values()):
+            if peer.name in self._own:  # listed while this instance was creating it
+                self._forget(peer)
+                continue
             try:
                 generation = struct.unpack(">Q", os.pread(peer.fd, 8, _GENERATION_AT))[0]
                 if generation != peer.generation:
@@ -260,6 +263,14 @@ class PeerTables:
                     self._reread(peer, table)
             except (OSError, struct.error):
                 continue  # a damaged peer slab: what was read of it stands (reads verify)
+
+    def _forget(self, peer: _Peer) -> None:
+        del self._peers[peer.name]
+        for slot, key in peer.keys.items():
+            if self._where.get(key) == (peer, slot):
+                del self._where[key]
+        with contextlib.suppress(OSError):
+            os.close(peer.fd)
 
     def _open(self, name: str, path: str) -> None:
         try:
