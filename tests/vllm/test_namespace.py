@@ -102,21 +102,13 @@ Change = Callable[[Engine], None]
 
 def _set(path: str, value: Any) -> Change:
     """Set ``<path>`` (e.g. ``cache_config.cache_dtype``) on the engine's ``VllmConfig``."""
-    *parents, name = path.split(".")
-
-    def change(e: Engine) -> None:
-        target = e.vllm
-        for parent in parents:
-            target = getattr(target, parent)
-        setattr(target, name, value)
-
-    return change
+    return _set_other(path, value)
 
 
 def _set_other(path: str, *values: Any) -> Change:
     """Set ``<path>`` to the first of ``values`` it does not hold already (what vLLM picks
     can depend on the CPU: its CPU platform resets the Mamba SSM state dtype to float32 where
-    AVX-512 BF16 is supported)."""
+    AVX-512 BF16 is supported), or to the last when it holds them all."""
     *parents, name = path.split(".")
 
     def change(e: Engine) -> None:
@@ -124,7 +116,7 @@ def _set_other(path: str, *values: Any) -> Change:
         for parent in parents:
             target = getattr(target, parent)
         current = getattr(target, name)
-        setattr(target, name, next(v for v in values if v != current))
+        setattr(target, name, next((v for v in values if v != current), values[-1]))
 
     return change
 

@@ -23,6 +23,14 @@ def scrape(url: str) -> Samples:
     }
 
 
-def value(samples: Samples, name: str, **labels: str) -> float:
-    """The sample ``name`` with exactly ``labels`` (0 when the scrape has none)."""
-    return samples.get((name, tuple(sorted(labels.items()))), 0.0)
+def value(samples: Samples, name: str, default: float | None = None, **labels: str) -> float:
+    """The sample ``name`` with exactly ``labels``; ``default`` when the scrape has none
+    (without one, a missing sample fails: a test of a value must see it exported).
+
+    Raises:
+        KeyError: no such sample and no ``default``.
+    """
+    sample = (name, tuple(sorted(labels.items())))
+    if default is None:
+        return samples[sample]
+    return samples.get(sample, default)

@@ -347,3 +347,21 @@ def test_a_slab_that_turns_out_to_be_this_instances_own_is_no_peers(
     assert peers.find([key(1), key(2)]) == {}
     peers.close()
     a.close()
+
+
+def test_a_key_longer_than_a_record_holds_is_refused_alone(
+    tmp_path: Path, host: MemoryHostBuffer
+) -> None:
+    """A 200-byte key cannot be recorded: its block is not written (no slot taken), the
+    reason names it, and the job's other blocks are stored."""
+    io = open_io(tmp_path, slots=2)
+    long = OffloadKey(b"\x07" * 200)
+    view = host.slot_view(0)
+    assert io.write_many([(long, view), *items(host, [1, 2])]) == [
+        "a 200-byte key is longer than a slot record holds",
+        None,
+        None,
+    ]
+    assert recorded(tmp_path) == sorted([key(1), key(2)])
+    assert io.exists_many([long]) == set()
+    io.close()

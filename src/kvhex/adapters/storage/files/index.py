@@ -190,13 +190,14 @@ class SlotTable:
 class _Peer:
     """Another instance's slab, as last read: its generation, table bytes and records."""
 
-    __slots__ = ("fd", "generation", "keys", "name", "path", "slots", "table")
+    __slots__ = ("base", "fd", "generation", "keys", "name", "path", "slots", "table")
 
     def __init__(self, name: str, path: str, fd: int, slots: int) -> None:
         self.name = name
         self.path = path
         self.fd = fd
         self.slots = slots
+        self.base = table_bytes(slots)  # where slot 0 starts
         self.generation = -1
         self.table = b""
         self.keys: dict[int, OffloadKey] = {}  # slot -> key
@@ -236,7 +237,7 @@ class PeerTables:
                 place = where.get(key)
                 if place is not None:
                     peer, slot = place
-                    found[key] = (peer.path, peer.fd, slot, table_bytes(peer.slots))
+                    found[key] = (peer.path, peer.fd, slot, peer.base)
             return found
 
     def _refresh(self) -> None:

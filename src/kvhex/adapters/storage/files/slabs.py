@@ -217,11 +217,11 @@ class SlabIo:
             log.warning("tier_slab_unreadable", slab=name, error=str(exc))
             os.close(fd)
             return None
-        slab = _Slab(name, path, fd, slots, ())
-        if os.fstat(fd).st_size < slab.base + slots * self.slot_size:
+        if os.fstat(fd).st_size < table_bytes(slots) + slots * self.slot_size:
             log.warning("tier_slab_unreadable", slab=name, error="shorter than its slots")
             os.close(fd)
             return None
+        slab = _Slab(name, path, fd, slots, ())
         self._slabs[name] = slab
         return slab, records
 
