@@ -8,7 +8,7 @@ store (put) and store -> host (get) through three tiers talking to one loopback 
   backend), built by vLLM's ``SecondaryTierFactory`` on a real host buffer of up to 256
   rows of one chunk each, driven through its public methods (``submit_store`` / ``submit_load``,
   ``get_finished_jobs``) as vLLM's tiering manager drives it;
-* kvhex's ``fsspec`` tier on ``s3://`` (s3fs under it) and kvhex's ``nixl`` tier on
+* kvhex's ``fsspec`` tier on ``s3://`` (s3fs puts, its own signed GETs) and kvhex's ``nixl`` tier on
   ``s3://`` (NIXL's OBJ backend), built through kvhex's plugin registry, driven through
   ``submit_put`` / ``submit_get`` / ``poll``.
 
@@ -55,6 +55,7 @@ from typing import Any
 from _report import Report, parse
 from _s3 import start_loopback_s3
 from kvhex.adapters.memory import MemoryHostBuffer
+from kvhex.adapters.storage.s3_direct import REQUESTS_IN_FLIGHT
 from kvhex.domain import JobId, JobKind, TierJob, make_offload_key
 from kvhex.plugins import TIERS, Registry
 
@@ -414,8 +415,9 @@ def main() -> None:
         report.say(WHERE_VLLM.format(why=missing))
     if "s3" in sides:
         report.say(
-            f"  {NAMES['s3']}: {t} IO threads, a job at a time each, one s3fs batch of {b} "
-            f"requests per job (up to {t * b} requests in flight)"
+            f"  {NAMES['s3']}: {t} IO threads, a job at a time each; puts: one s3fs batch of "
+            f"{b} requests per job (up to {t * b} in flight); gets: kvhex's own signed GETs "
+            f"(up to {min(t * b, REQUESTS_IN_FLIGHT)} in flight)"
         )
     if "nixl" in sides:
         report.say(

@@ -64,6 +64,67 @@ def private_s3_server() -> Iterator[Any]:
         server.stop()
 
 
+@attrs.frozen
+class Wire:
+    """A loopback S3 server that records each request's method, path and headers (names in
+    lower case), in arrival order, and a bucket of the test's own on it."""
+
+    endpoint: str
+    bucket: str
+    requests: list[tuple[str, str, dict[str, str]]]
+
+    def block_requests(self, method: str) -> list[dict[str, str]]:
+        """The headers of every ``method`` request on a block object (``*.blk``)."""
+        return [h for m, path, h in self.requests if m == method and path.endswith(".blk")]
+
+    def checksums(self) -> list[str]:
+        """Every checksum a block's PUT or GET asked the server to compute, check or send."""
+        asked = []
+        for method in ("PUT", "GET"):
+            for headers in self.block_requests(method):
+                asked += [
+                    f"{method} {name}: {value}"
+                    for name, value in headers.items()
+                    if name.startswith(("x-amz-checksum", "x-amz-trailer", "x-amz-sdk-checksum"))
+                    or (name == "content-encoding" and "aws-chunked" in value)
+                ]
+        return asked
+
+
+@pytest.fixture
+def wire_s3_server() -> Iterator[Wire]:
+    """moto's S3 application behind a recorder, served on 127.0.0.1 (a random port)."""
+    import threading
+
+    from moto.server import DomainDispatcherApplication, create_backend_app
+    from werkzeug.serving import make_server
+
+    os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")
+    app = DomainDispatcherApplication(create_backend_app)
+    requests: list[tuple[str, str, dict[str, str]]] = []
+
+    def recorder(environ: dict[str, Any], start_response: Any) -> Any:
+        headers = {
+            name[5:].replace("_", "-").lower(): str(value)
+            for name, value in environ.items()
+            if name.startswith("HTTP_")
+        }
+        requests.append((environ["REQUEST_METHOD"], environ.get("PATH_INFO", ""), headers))
+        return app(environ, start_response)
+
+    server = make_server("127.0.0.1", 0, recorder, threaded=True)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    endpoint = f"http://127.0.0.1:{server.server_address[1]}"
+    bucket = f"kvhex-wire-{uuid.uuid4().hex[:12]}"
+    import s3fs
+
+    s3fs.S3FileSystem(**s3_options(endpoint)).mkdir(bucket)
+    yield Wire(endpoint, bucket, requests)
+    server.shutdown()
+    thread.join()
+
+
 AUTH_BUCKET = "kvhex-auth"
 
 _AUTH_SERVER = """

@@ -32,9 +32,19 @@ from kvhex.domain.tiers import Locality, Medium, TierIdentity
 from kvhex.errors import TierUnavailable
 from kvhex.ports.host_buffer import HostBuffer
 
-__all__ = ["FsspecTierStore", "open_fs", "open_namespace"]
+__all__ = ["S3_CLIENT_CONFIG", "FsspecTierStore", "open_fs", "open_namespace"]
 
 IoT = TypeVar("IoT", bound=BlockIo)
+
+S3_CLIENT_CONFIG = {
+    "request_checksum_calculation": "when_required",
+    "response_checksum_validation": "when_required",
+}
+"""botocore settings an ``s3://`` tier's client starts from (a user's ``config_kwargs`` win).
+Every block already carries its XXH3 checksum, verified on every read, so the CRC32 botocore
+adds to each PUT and checks on each GET by default (in Python, on the IO threads; and on the
+server, which must check what it is sent) would guard the same bytes twice: it is asked only
+where an operation requires one (docs/tiers.md)."""
 
 
 class FsspecTierStore(BlockTierStore):
@@ -131,7 +141,10 @@ def open_fs(
     try:
         import fsspec
 
-        fs, root = fsspec.core.url_to_fs(url, **dict(storage_options or {}))
+        options = dict(storage_options or {})
+        if url.startswith(("s3://", "s3a://")):
+            options["config_kwargs"] = {**S3_CLIENT_CONFIG, **options.get("config_kwargs", {})}
+        fs, root = fsspec.core.url_to_fs(url, **options)
     except Exception as exc:
         raise start_up_error(exc, url=url, tier=tier) from exc
     protocol = fs.protocol

@@ -23,6 +23,7 @@ a failed job whose error names the cause (:func:`~kvhex.adapters.storage.object_
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -35,6 +36,7 @@ from kvhex.adapters.storage.block_io import (
 )
 from kvhex.adapters.storage.format import CONFIG, HEADER_AREA, Verdict, pack_header, verify
 from kvhex.adapters.storage.object_errors import Cause, describe, job_error
+from kvhex.adapters.storage.s3_direct import FALLBACK, DirectReader
 from kvhex.domain.keys import OffloadKey
 
 __all__ = ["SUFFIX", "FsspecObjectMover", "ObjectIo"]
@@ -225,9 +227,11 @@ class ObjectIo:
 
 
 class FsspecObjectMover:
-    """Blocks as objects through fsspec batches: a job's objects go out as one concurrent
-    ``pipe`` and come back as one ``cat``. A block's object is built with one copy of the
-    payload and read back into the host slot with one."""
+    """Blocks as objects through fsspec: a job's objects go out as one concurrent ``pipe``
+    (a block's object built with one copy of the payload). They come back, on an
+    S3-compatible endpoint, by signed GETs straight into the host slots
+    (:class:`~kvhex.adapters.storage.s3_direct.DirectReader`), and otherwise, or whatever
+    those leave, as one ``cat`` copied into the slots."""
 
     def __init__(self, fs: Any, url: str) -> None:
         self.fs = fs
@@ -235,6 +239,8 @@ class FsspecObjectMover:
         # s3fs asks for an object's size (a HEAD) before every GET unless told to read each
         # object in one request: a block is one object, read whole
         self._cat_options = {"max_concurrency": 1} if hasattr(fs, "max_concurrency") else {}
+        self._direct: DirectReader | bool | None = False  # False: not looked at yet
+        self._direct_lock = threading.Lock()
 
     def put_objects(
         self, objects: Sequence[tuple[str, OffloadKey, memoryview]]
@@ -269,6 +275,20 @@ class FsspecObjectMover:
             StoreLost: the bucket is gone.
             OSError: the store failed; the message names the cause.
         """
+        with self._direct_lock:  # the client exists once the namespace was opened
+            if self._direct is False:
+                self._direct = DirectReader.of(self.fs)
+        if not isinstance(self._direct, DirectReader):
+            return self._cat(objects)
+        out = self._direct.read(objects)
+        rest = [i for i, got in enumerate(out) if got is FALLBACK]
+        if rest:
+            for i, got in zip(rest, self._cat([objects[i] for i in rest]), strict=True):
+                out[i] = got
+        return out
+
+    def _cat(self, objects: Sequence[tuple[str, memoryview]]) -> list[bytes | None]:
+        """:meth:`get_objects` through one s3fs ``cat``."""
         paths = [path for path, _ in objects]
         try:
             got = self.fs.cat(paths, on_error="return", **self._cat_options)
@@ -289,7 +309,10 @@ class FsspecObjectMover:
         return out
 
     def close(self) -> None:
-        """Nothing held."""
+        """Stop the direct reader's request threads, if it has one."""
+        with self._direct_lock:
+            if isinstance(self._direct, DirectReader):
+                self._direct.close()
 
 
 def _failure(exc: BaseException, url: str) -> OSError | StoreLost:

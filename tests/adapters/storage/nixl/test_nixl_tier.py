@@ -11,6 +11,7 @@ from kvhex.adapters.memory import MemoryHostBuffer
 from kvhex.adapters.storage.format import HEADER_AREA
 from kvhex.adapters.storage.nixl import NixlTierStore
 from kvhex.domain import JobId, JobKind, Removed, Stored, TierJob
+from tests.adapters.conftest import CREDENTIALS, Wire
 from tests.adapters.jobs import key, run
 
 SLOT = 4096
@@ -86,3 +87,33 @@ def test_posix_jobs_on_every_io_thread_at_once_move_exact_bytes(tmp_path: Path) 
     ]
     peer.close()
     store.close()
+
+
+def test_obj_blocks_go_without_a_transport_checksum(wire_s3_server: Wire) -> None:
+    """NIXL's S3 client is asked for a checksum only where an operation requires one (by
+    default it streams every PUT as aws-chunked with a CRC64 trailer and asks every GET for
+    the object's checksum): every block carries its own, verified on every read."""
+    wire = wire_s3_server
+    host = MemoryHostBuffer(1, SLOT)
+    block = bytes(range(256)) * (SLOT // 256)
+    host.slot_view(0)[:] = block
+    store = NixlTierStore(
+        host,
+        f"s3://{wire.bucket}/kv",
+        capacity_bytes=1 << 20,
+        namespace=NS,
+        endpoint_url=wire.endpoint,
+        access_key=CREDENTIALS["key"],
+        secret_key=CREDENTIALS["secret"],
+        locality=None,
+    )
+    try:
+        assert run(store, JobKind.PUT, [0]).success
+        host.slot_view(0)[:] = bytes(SLOT)
+        assert run(store, JobKind.GET, [0]).success
+    finally:
+        store.close()
+    assert bytes(host.slot_view(0)) == block
+    assert wire.block_requests("PUT")
+    assert wire.block_requests("GET")
+    assert wire.checksums() == []

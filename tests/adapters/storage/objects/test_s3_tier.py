@@ -12,7 +12,7 @@ from kvhex.adapters.memory import MemoryHostBuffer
 from kvhex.adapters.storage.fsspec import FsspecTierStore
 from kvhex.domain import JobKind, Removed, Stored
 from kvhex.errors import TierUnavailable
-from tests.adapters.conftest import CREDENTIALS, s3_options
+from tests.adapters.conftest import CREDENTIALS, Wire, s3_options
 from tests.adapters.jobs import key, run
 
 SLOT = 2048
@@ -222,4 +222,109 @@ def test_a_deleted_bucket_is_announced_as_every_block_gone(s3_server: str, bucke
     assert events_of(store) == [("removed", {1, 2})]  # nothing stored, everything gone
     assert store.keys() == []
     assert not fs.exists(bucket)  # never created for you
+    store.close()
+
+
+def test_blocks_go_without_a_transport_checksum_unless_the_user_asks(
+    wire_s3_server: Wire,
+) -> None:
+    """A block carries its own checksum, verified on every read: the CRC32 botocore adds to
+    every PUT and asks of every GET by default is not asked for; ``config_kwargs`` win."""
+    wire = wire_s3_server
+    host = MemoryHostBuffer(1, SLOT)
+    fill(host, 1, 3)
+    plain = tier(host, wire.endpoint, wire.bucket)
+    assert run(plain, JobKind.PUT, [0]).success
+    assert run(plain, JobKind.GET, [0]).success
+    plain.close()
+    assert wire.block_requests("PUT")
+    assert wire.block_requests("GET")
+    assert wire.checksums() == []
+    wanted = s3_options(
+        wire.endpoint,
+        config_kwargs={
+            "request_checksum_calculation": "when_supported",
+            "response_checksum_validation": "when_supported",
+        },
+    )
+    asked = tier(host, wire.endpoint, wire.bucket, name="s3-crc", storage_options=wanted)
+    assert run(asked, JobKind.PUT, [1]).success
+    assert run(asked, JobKind.GET, [1]).success
+    asked.close()
+    assert any(c.startswith("PUT x-amz-checksum-crc32") for c in wire.checksums())
+    assert "GET x-amz-checksum-mode: ENABLED" in wire.checksums()
+
+
+def test_reads_go_straight_into_the_slots_by_signed_gets_of_their_own(
+    wire_s3_server: Wire,
+) -> None:
+    """On an S3-compatible endpoint a block's GET is kvhex's own (signed, read into the
+    slot), not s3fs's: the bytes are exact and the server saw a request signed with the
+    tier's key."""
+    wire = wire_s3_server
+    host = MemoryHostBuffer(2, SLOT)
+    fill(host, 2, 7)
+    expected = [bytes(host.slot_view(s)) for s in range(2)]
+    store = tier(host, wire.endpoint, wire.bucket)
+    assert run(store, JobKind.PUT, [0, 1]).success
+    fill(host, 2, 99)
+    assert run(store, JobKind.GET, [0, 1], [1, 0]).success
+    store.close()
+    assert [bytes(host.slot_view(s)) for s in range(2)] == expected[::-1]
+    gets = wire.block_requests("GET")
+    assert len(gets) == 2
+    for headers in gets:
+        assert headers["user-agent"] == "kvhex"
+        assert f"Credential={CREDENTIALS['key']}/" in headers["authorization"]
+
+
+@pytest.mark.parametrize(
+    ("endpoint", "extra"),
+    [
+        ("https://s3.us-east-1.amazonaws.com", {}),
+        ("http://127.0.0.1:9", {"config_kwargs": {"s3": {"addressing_style": "virtual"}}}),
+        ("https://127.0.0.1:9", {"client_kwargs": {"verify": False}}),
+        (
+            "http://127.0.0.1:9",
+            {"config_kwargs": {"response_checksum_validation": "when_supported"}},
+        ),
+    ],
+    ids=["aws", "virtual-hosted", "own-certificates", "crc-asked"],
+)
+def test_reads_are_left_to_s3fs_where_a_request_is_not_plain(
+    endpoint: str, extra: dict[str, Any]
+) -> None:
+    """AWS's own endpoints, virtual-hosted addressing, a custom certificate check or a CRC
+    check asked of botocore: s3fs reads, as botocore builds requests for that client."""
+    from kvhex.adapters.storage.fsspec import open_fs
+    from kvhex.adapters.storage.s3_direct import DirectReader
+
+    fs, _, _ = open_fs("s3://b/kv", s3_options(endpoint, **extra), "s3")
+    fs.connect()
+    assert DirectReader.of(fs) is None
+    plain, _, _ = open_fs("s3://b/kv", s3_options("http://127.0.0.1:9"), "s3")
+    plain.connect()
+    assert isinstance(DirectReader.of(plain), DirectReader)
+
+
+def test_an_object_cut_short_is_corrupt_and_never_served(s3_server: str, bucket: str) -> None:
+    """A block's object shorter than a block (a writer that was not kvhex's): the read says
+    corrupt, announces it gone and leaves the slot's bytes unused."""
+    import s3fs
+
+    host = MemoryHostBuffer(2, SLOT)
+    store = tier(host, s3_server, bucket)
+    fill(host, 1, 5)
+    assert run(store, JobKind.PUT, [1]).success
+    store.take_events()
+    fs = s3fs.S3FileSystem(**s3_options(s3_server))
+    path = store.location(key(1))[0]
+    fs.pipe_file(path, fs.cat_file(path)[:-1])
+    result = run(store, JobKind.GET, [1], [1])
+    assert not result.success
+    assert result.ok_keys == frozenset()
+    (removed,) = store.take_events()
+    assert isinstance(removed, Removed)
+    assert removed.keys == (key(1),)
+    assert store.corrupt_blocks == 1
     store.close()
