@@ -424,7 +424,10 @@ class NixlTierStore(BlockTierStore):
                 "scheme": (endpoint_url or "https://").split("://", 1)[0],
                 "region": region,
                 "use_virtual_addressing": "false",
-                "req_checksum": "supported",
+                # every block carries its own checksum, verified on every read: no CRC per
+                # request (docs/tiers.md, "No transport checksums")
+                "req_checksum": "required",
+                "resp_checksum": "required",
             }
         fs, root, local = open_fs(url, options, name)
         threads = io_threads or default_io_threads(local)
