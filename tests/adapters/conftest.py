@@ -67,11 +67,13 @@ def private_s3_server() -> Iterator[Any]:
 @attrs.frozen
 class Wire:
     """A loopback S3 server that records each request's method, path and headers (names in
-    lower case), in arrival order, and a bucket of the test's own on it."""
+    lower case; ``remote-port``: the client's port, one per connection), in arrival order,
+    and a bucket of the test's own on it."""
 
     endpoint: str
     bucket: str
     requests: list[tuple[str, str, dict[str, str]]]
+    keep_alive: bool
 
     def block_requests(self, method: str) -> list[dict[str, str]]:
         """The headers of every ``method`` request on a block object (``*.blk``)."""
@@ -91,9 +93,13 @@ class Wire:
         return asked
 
 
-@pytest.fixture
-def wire_s3_server() -> Iterator[Wire]:
-    """moto's S3 application behind a recorder, served on 127.0.0.1 (a random port)."""
+@pytest.fixture(params=["closing", "keep-alive"])
+def wire_s3_server(request: pytest.FixtureRequest) -> Iterator[Wire]:
+    """moto's S3 application behind a recorder on 127.0.0.1 (a random port): once served by
+    moto's own server, which closes every connection after its response, and once behind a
+    front that keeps client connections alive, as S3 and most S3-compatible servers do."""
+    import http.client
+    import http.server
     import threading
 
     from moto.server import DomainDispatcherApplication, create_backend_app
@@ -102,6 +108,7 @@ def wire_s3_server() -> Iterator[Wire]:
     os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")
     app = DomainDispatcherApplication(create_backend_app)
     requests: list[tuple[str, str, dict[str, str]]] = []
+    keep_alive = request.param == "keep-alive"
 
     def recorder(environ: dict[str, Any], start_response: Any) -> Any:
         headers = {
@@ -109,20 +116,62 @@ def wire_s3_server() -> Iterator[Wire]:
             for name, value in environ.items()
             if name.startswith("HTTP_")
         }
+        headers.setdefault("remote-port", str(environ.get("REMOTE_PORT", "")))
         requests.append((environ["REQUEST_METHOD"], environ.get("PATH_INFO", ""), headers))
         return app(environ, start_response)
 
-    server = make_server("127.0.0.1", 0, recorder, threaded=True)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    endpoint = f"http://127.0.0.1:{server.server_address[1]}"
+    moto = make_server("127.0.0.1", 0, recorder, threaded=True)
+    servers: list[Any] = [moto]
+    moto_port = port = moto.server_address[1]
+    if keep_alive:
+
+        class Front(http.server.BaseHTTPRequestHandler):
+            """Passes each request to moto on a connection of its own, and keeps the
+            client's connection open (the client's port goes along as a header)."""
+
+            protocol_version = "HTTP/1.1"
+
+            def _pass(self) -> None:
+                body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                headers = dict(self.headers.items())
+                headers["Remote-Port"] = str(self.client_address[1])
+                upstream = http.client.HTTPConnection("127.0.0.1", moto_port)
+                upstream.request(self.command, self.path, body=body, headers=headers)
+                answer = upstream.getresponse()
+                data = answer.read()
+                upstream.close()
+                self.send_response(answer.status)
+                for name, value in answer.getheaders():
+                    if name.lower() not in ("connection", "content-length", "server", "date"):
+                        self.send_header(name, value)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                if self.command != "HEAD":
+                    self.wfile.write(data)
+
+            do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = _pass  # noqa: N815 (http.server names)
+
+            def log_message(self, *args: Any) -> None:
+                """Quiet."""
+
+        front = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Front)
+        front.daemon_threads = True
+        servers.append(front)
+        port = front.server_address[1]
+    threads = [threading.Thread(target=s.serve_forever, daemon=True) for s in servers]
+    for thread in threads:
+        thread.start()
+    endpoint = f"http://127.0.0.1:{port}"
     bucket = f"kvhex-wire-{uuid.uuid4().hex[:12]}"
     import s3fs
 
     s3fs.S3FileSystem(**s3_options(endpoint)).mkdir(bucket)
-    yield Wire(endpoint, bucket, requests)
-    server.shutdown()
-    thread.join()
+    yield Wire(endpoint, bucket, requests, keep_alive=keep_alive)
+    for server in servers:
+        server.shutdown()
+        server.server_close()
+    for thread in threads:
+        thread.join()
 
 
 AUTH_BUCKET = "kvhex-auth"

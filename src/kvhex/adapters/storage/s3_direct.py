@@ -19,7 +19,7 @@ through s3fs, which names the cause (a lost bucket, credentials, an endpoint dow
 
 Threads: :meth:`DirectReader.read` runs on any IO thread and hands a job's GETs to the
 reader's own request threads (:data:`REQUESTS_IN_FLIGHT`), each keeping its own connection
-(kept alive when the server allows it).
+(kept alive when the server allows it, closed by :meth:`DirectReader.close`).
 """
 
 from __future__ import annotations
@@ -67,6 +67,8 @@ class DirectReader:
         self._origin = f"{scheme}://{host}" + (f":{port}" if port else "")
         self._region = region
         self._local = threading.local()
+        self._connections: set[http.client.HTTPConnection] = set()
+        self._connections_lock = threading.Lock()
         self._pool = cf.ThreadPoolExecutor(REQUESTS_IN_FLIGHT, thread_name_prefix="kvhex-s3-get")
 
     @classmethod
@@ -116,8 +118,12 @@ class DirectReader:
         return list(self._pool.map(get, objects))
 
     def close(self) -> None:
-        """Stop the request threads (their connections close with them)."""
+        """Stop the request threads and close their connections."""
         self._pool.shutdown(wait=True)
+        with self._connections_lock:
+            for conn in self._connections:
+                conn.close()
+            self._connections.clear()
 
     # -- one request ---------------------------------------------------------------------
     def _credentials(self) -> Any:
@@ -162,11 +168,13 @@ class DirectReader:
                 _done(response, conn)
                 return bytes(header)
             conn.close()
-            return b""  # cut short
+            return FALLBACK  # the connection broke off: s3fs tries again and names why
         body = response.read(64 << 10) if response.status != 200 else b""
         conn.close()
         if response.status == 200:
-            return b""  # not a whole block
+            # another length is not a whole block; no length at all (a chunked answer) is
+            # left to s3fs, which reads it whole and judges it
+            return b"" if length is not None else FALLBACK
         if response.status == 404 and b"<Code>NoSuchKey</Code>" in body:
             return None
         return FALLBACK
@@ -185,9 +193,13 @@ class DirectReader:
         if conn is None or fresh:
             if conn is not None:
                 conn.close()
+                with self._connections_lock:
+                    self._connections.discard(conn)
             cls = http.client.HTTPSConnection if self._https else http.client.HTTPConnection
             conn = cls(self._host, self._port, timeout=self._timeout)
             self._local.conn = conn
+            with self._connections_lock:
+                self._connections.add(conn)
         return conn
 
 

@@ -10,6 +10,7 @@ import pytest
 
 from kvhex.adapters.memory import MemoryHostBuffer
 from kvhex.adapters.storage.fsspec import FsspecTierStore
+from kvhex.adapters.storage.s3_direct import REQUESTS_IN_FLIGHT
 from kvhex.domain import JobKind, Removed, Stored
 from kvhex.errors import TierUnavailable
 from tests.adapters.conftest import CREDENTIALS, Wire, s3_options
@@ -276,6 +277,30 @@ def test_reads_go_straight_into_the_slots_by_signed_gets_of_their_own(
     for headers in gets:
         assert headers["user-agent"] == "kvhex"
         assert f"Credential={CREDENTIALS['key']}/" in headers["authorization"]
+
+
+def test_own_gets_keep_connections_alive_where_the_server_does(wire_s3_server: Wire) -> None:
+    """Many reads over few connections on a keep-alive server (one each on a server that
+    closes them), every byte exact."""
+    wire = wire_s3_server
+    n = 24
+    host = MemoryHostBuffer(n, SLOT)
+    fill(host, n, 11)
+    expected = [bytes(host.slot_view(s)) for s in range(n)]
+    store = tier(host, wire.endpoint, wire.bucket)
+    assert run(store, JobKind.PUT, list(range(n))).success
+    for _ in range(3):
+        fill(host, n, 200)
+        assert run(store, JobKind.GET, list(range(n))).success
+        assert [bytes(host.slot_view(s)) for s in range(n)] == expected
+    store.close()
+    gets = wire.block_requests("GET")
+    assert len(gets) == 3 * n
+    connections = len({headers["remote-port"] for headers in gets})
+    if wire.keep_alive:
+        assert connections <= min(n, REQUESTS_IN_FLIGHT)
+    else:
+        assert connections == 3 * n
 
 
 @pytest.mark.parametrize(
