@@ -4,18 +4,18 @@ fsspec tier on ``s3://`` where its requests are plain to build.
 s3fs runs every request of a process on one asyncio loop thread. On reads that thread's Python
 work (botocore building and parsing each request, aiohttp taking the body in chunks and joining
 them into one ``bytes``) was the tier's limit: it ran all the time while the server waited
-(docs/performance.md). Here each IO thread sends its own GETs with ``http.client``, signed
-with SigV4 by botocore from the s3fs client's credentials, region and endpoint, and receives
+(docs/performance.md). Here the reader's own threads send GETs with ``http.client``, signed
+with SigV4 by botocore from the s3fs client's credentials, region and endpoint, and receive
 each block with ``recv_into``: its header area into a small buffer, its payload straight into
 the host slot. No event loop, no copy; the socket waits release the GIL.
 
 Used only where a request is plain to build the way botocore builds it for that client: a
-custom ``endpoint_url`` (S3-compatible servers) with path-style addressing, over http or https
-with the default certificate checks, a path of URL-safe characters, and no CRC check of each
-response asked of botocore (``response_checksum_validation``). Otherwise, and for
-every answer but a whole block (200) or a missing key (404 ``NoSuchKey``), the read goes
-through s3fs, which names the cause (a lost bucket, credentials, an endpoint down:
-:mod:`kvhex.adapters.storage.object_errors`).
+custom ``endpoint_url`` (S3-compatible servers, not an IPv6 literal) with path-style
+addressing, over http or https with the default certificate checks, a path of URL-safe
+characters, and no CRC check of each response asked of botocore
+(``response_checksum_validation``). Otherwise, and for every answer but a whole block (200)
+or a missing key (404 ``NoSuchKey``), the read goes through s3fs, which names the cause (a
+lost bucket, credentials, an endpoint down: :mod:`kvhex.adapters.storage.object_errors`).
 
 Threads: :meth:`DirectReader.read` runs on any IO thread and hands a job's GETs to the
 reader's own request threads (:data:`REQUESTS_IN_FLIGHT`), each keeping its own connection
@@ -86,6 +86,7 @@ class DirectReader:
             or getattr(meta.config, "response_checksum_validation", None) == "when_supported"
             or parts.scheme not in ("http", "https")
             or not parts.hostname
+            or ":" in parts.hostname  # an IPv6 literal
             or parts.hostname.endswith(_AWS_HOSTS)  # AWS's own: virtual-hosted addressing
             or parts.path not in ("", "/")
         ):

@@ -313,14 +313,16 @@ def test_own_gets_keep_connections_alive_where_the_server_does(wire_s3_server: W
             "http://127.0.0.1:9",
             {"config_kwargs": {"response_checksum_validation": "when_supported"}},
         ),
+        ("http://[::1]:9", {}),
     ],
-    ids=["aws", "virtual-hosted", "own-certificates", "crc-asked"],
+    ids=["aws", "virtual-hosted", "own-certificates", "crc-asked", "ipv6"],
 )
 def test_reads_are_left_to_s3fs_where_a_request_is_not_plain(
     endpoint: str, extra: dict[str, Any]
 ) -> None:
-    """AWS's own endpoints, virtual-hosted addressing, a custom certificate check or a CRC
-    check asked of botocore: s3fs reads, as botocore builds requests for that client."""
+    """AWS's own endpoints, virtual-hosted addressing, a custom certificate check, a CRC
+    check asked of botocore or an IPv6 endpoint: s3fs reads, as botocore builds requests for
+    that client."""
     from kvhex.adapters.storage.fsspec import open_fs
     from kvhex.adapters.storage.s3_direct import DirectReader
 
