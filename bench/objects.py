@@ -8,9 +8,9 @@ store (put) and store -> host (get) through three tiers talking to one loopback 
   backend), built by vLLM's ``SecondaryTierFactory`` on a real host buffer of up to 256
   rows of one chunk each, driven through its public methods (``submit_store`` / ``submit_load``,
   ``get_finished_jobs``) as vLLM's tiering manager drives it;
-* kvhex's ``fsspec`` tier on ``s3://`` (s3fs puts, its own signed GETs) and kvhex's ``nixl`` tier on
-  ``s3://`` (NIXL's OBJ backend), built through kvhex's plugin registry, driven through
-  ``submit_put`` / ``submit_get`` / ``poll``.
+* kvhex's ``fsspec`` tier on ``s3://`` (s3fs puts, its own signed GETs) and kvhex's
+  ``nixl`` tier on ``s3://`` (NIXL's OBJ backend), built through kvhex's plugin registry,
+  driven through ``submit_put`` / ``submit_get`` / ``poll``.
 
 Every side gets the same chunks, ``--batch`` chunks per job, every job submitted at once (a
 get keeps at most one host buffer's worth of chunks in flight, as the managers' reservations

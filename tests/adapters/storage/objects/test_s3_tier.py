@@ -331,7 +331,9 @@ def test_reads_are_left_to_s3fs_where_a_request_is_not_plain(
     assert DirectReader.of(fs) is None
     plain, _, _ = open_fs("s3://b/kv", s3_options("http://127.0.0.1:9"), "s3")
     plain.connect()
-    assert isinstance(DirectReader.of(plain), DirectReader)
+    reader = DirectReader.of(plain)
+    assert isinstance(reader, DirectReader)
+    reader.close()
 
 
 def test_an_object_cut_short_is_corrupt_and_never_served(s3_server: str, bucket: str) -> None:
