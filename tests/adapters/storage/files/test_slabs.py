@@ -6,6 +6,7 @@ faults come through the public seams (a mover, the IO calls), never private meth
 from __future__ import annotations
 
 import concurrent.futures as cf
+import errno
 import os
 import signal
 import subprocess
@@ -213,6 +214,33 @@ def test_a_failed_record_write_fails_the_job_and_frees_its_slots(
     broken[0] = False
     assert io.write_many(items(host, range(2, 4))) == [None, None]  # both slots free again
     assert recorded(tmp_path) == sorted([key(2), key(3)])
+    io.close()
+
+
+def test_a_failed_flush_fails_the_job_and_frees_its_slots(
+    tmp_path: Path, host: MemoryHostBuffer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With ``fsync``, the blocks cannot be flushed (a disk error): the job fails with the
+    reason, no record names its blocks, and its slot is free again."""
+    io = SlabIo(str(tmp_path / NAME), BLOCK, 2, config=CONFIG, fsync=True)
+    real = os.fdatasync
+    broken = [False]
+
+    def flush(fd: int) -> None:
+        if broken[0]:
+            raise OSError(errno.EIO, "Input/output error")
+        real(fd)
+
+    monkeypatch.setattr(os, "fdatasync", flush)
+    assert io.write_many(items(host, [0])) == [None]
+    broken[0] = True
+    assert io.write_many(items(host, [1])) == ["OSError: Input/output error"]
+    assert recorded(tmp_path) == [key(0)]
+    assert read_back(io, [0, 1]) == [payload(0), Verdict.MISSING]
+    broken[0] = False
+    assert io.write_many(items(host, [2])) == [None]  # the failed job's slot is free again
+    assert recorded(tmp_path) == sorted([key(0), key(2)])
+    assert read_back(io, [0, 2]) == [payload(0), payload(2)]
     io.close()
 
 
