@@ -74,6 +74,9 @@ class Wire:
     bucket: str
     requests: list[tuple[str, str, dict[str, str]]]
     keep_alive: bool
+    refused_agents: list[str]
+    """User agents whose block GETs the server answers 403 (as a proxy that rejects their
+    signature would); a test may add to it."""
 
     def block_requests(self, method: str) -> list[dict[str, str]]:
         """The headers of every ``method`` request on a block object (``*.blk``)."""
@@ -109,6 +112,7 @@ def wire_s3_server(request: pytest.FixtureRequest) -> Iterator[Wire]:
     app = DomainDispatcherApplication(create_backend_app)
     requests: list[tuple[str, str, dict[str, str]]] = []
     keep_alive = request.param == "keep-alive"
+    refused_agents: list[str] = []
 
     def recorder(environ: dict[str, Any], start_response: Any) -> Any:
         headers = {
@@ -117,7 +121,19 @@ def wire_s3_server(request: pytest.FixtureRequest) -> Iterator[Wire]:
             if name.startswith("HTTP_")
         }
         headers.setdefault("remote-port", str(environ.get("REMOTE_PORT", "")))
-        requests.append((environ["REQUEST_METHOD"], environ.get("PATH_INFO", ""), headers))
+        path = environ.get("PATH_INFO", "")
+        requests.append((environ["REQUEST_METHOD"], path, headers))
+        if (
+            environ["REQUEST_METHOD"] == "GET"
+            and path.endswith(".blk")
+            and headers.get("user-agent") in refused_agents
+        ):
+            body = b"<Error><Code>SignatureDoesNotMatch</Code></Error>"
+            start_response(
+                "403 Forbidden",
+                [("Content-Type", "application/xml"), ("Content-Length", str(len(body)))],
+            )
+            return [body]
         return app(environ, start_response)
 
     moto = make_server("127.0.0.1", 0, recorder, threaded=True)
@@ -166,7 +182,7 @@ def wire_s3_server(request: pytest.FixtureRequest) -> Iterator[Wire]:
     import s3fs
 
     s3fs.S3FileSystem(**s3_options(endpoint)).mkdir(bucket)
-    yield Wire(endpoint, bucket, requests, keep_alive=keep_alive)
+    yield Wire(endpoint, bucket, requests, keep_alive=keep_alive, refused_agents=refused_agents)
     for server in servers:
         server.shutdown()
         server.server_close()

@@ -27,6 +27,8 @@ import threading
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+import structlog
+
 from kvhex.adapters.storage.block_io import (
     Inventory,
     Located,
@@ -39,9 +41,14 @@ from kvhex.adapters.storage.object_errors import Cause, describe, job_error
 from kvhex.adapters.storage.s3_direct import FALLBACK, DirectReader
 from kvhex.domain.keys import OffloadKey
 
-__all__ = ["SUFFIX", "FsspecObjectMover", "ObjectIo"]
+__all__ = ["REFUSED_JOBS", "SUFFIX", "FsspecObjectMover", "ObjectIo"]
+
+log = structlog.get_logger(__name__)
 
 SUFFIX = ".blk"
+REFUSED_JOBS = 3
+"""Get jobs in a row whose every own GET the server refused, while s3fs was served the same
+objects, before the fsspec tier reads through s3fs only."""
 
 
 def _key_from_hex(stem: str) -> OffloadKey | None:
@@ -241,6 +248,8 @@ class FsspecObjectMover:
         self._cat_options = {"max_concurrency": 1} if hasattr(fs, "max_concurrency") else {}
         self._direct: DirectReader | bool | None = False  # False: not looked at yet
         self._direct_lock = threading.Lock()
+        self._refused_jobs = 0  # jobs in a row whose every own GET s3fs had to serve
+        self._retired: DirectReader | None = None
 
     def put_objects(
         self, objects: Sequence[tuple[str, OffloadKey, memoryview]]
@@ -278,14 +287,30 @@ class FsspecObjectMover:
         with self._direct_lock:  # the client exists once the namespace was opened
             if self._direct is False:
                 self._direct = DirectReader.of(self.fs)
-        if not isinstance(self._direct, DirectReader):
+            direct = self._direct
+        if not isinstance(direct, DirectReader):
             return self._cat(objects)
-        out = self._direct.read(objects)
+        out = direct.read(objects)
         rest = [i for i, got in enumerate(out) if got is FALLBACK]
         if rest:
             for i, got in zip(rest, self._cat([objects[i] for i in rest]), strict=True):
                 out[i] = got
+        # refused: every own GET left to s3fs, which found the objects
+        self._judge(direct, len(rest) == len(objects) and any(out[i] is not None for i in rest))
         return out
+
+    def _judge(self, direct: DirectReader, refused: bool) -> None:
+        """After ``REFUSED_JOBS`` jobs in a row whose own GETs the server refused (a proxy
+        that rejects their signature, say) while serving s3fs the same objects, reads go
+        through s3fs only: one request per block, not two."""
+        with self._direct_lock:
+            self._refused_jobs = self._refused_jobs + 1 if refused else 0
+            if self._refused_jobs < REFUSED_JOBS or self._direct is not direct:
+                return
+            self._direct, self._retired = None, direct  # closed with the mover
+        log.warning(
+            "s3_direct_reads_off", url=self.url, jobs=REFUSED_JOBS, last_refusal=direct.refusal
+        )
 
     def _cat(self, objects: Sequence[tuple[str, memoryview]]) -> list[bytes | None]:
         """:meth:`get_objects` through one s3fs ``cat``."""
@@ -311,8 +336,9 @@ class FsspecObjectMover:
     def close(self) -> None:
         """Stop the direct reader's request threads, if it has one."""
         with self._direct_lock:
-            if isinstance(self._direct, DirectReader):
-                self._direct.close()
+            for reader in (self._direct, self._retired):
+                if isinstance(reader, DirectReader):
+                    reader.close()
 
 
 def _failure(exc: BaseException, url: str) -> OSError | StoreLost:

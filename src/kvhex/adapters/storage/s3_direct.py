@@ -16,6 +16,8 @@ characters, and no CRC check of each response asked of botocore
 (``response_checksum_validation``). Otherwise, and for every answer but a whole block (200)
 or a missing key (404 ``NoSuchKey``), the read goes through s3fs, which names the cause (a
 lost bucket, credentials, an endpoint down: :mod:`kvhex.adapters.storage.object_errors`).
+:attr:`DirectReader.refusal` keeps why the last GET was left to s3fs, for the caller that
+turns the reader off when the server keeps refusing it what s3fs is served.
 
 Threads: :meth:`DirectReader.read` runs on any IO thread and hands a job's GETs to the
 reader's own request threads (:data:`REQUESTS_IN_FLIGHT`), each keeping its own connection
@@ -66,6 +68,8 @@ class DirectReader:
         self._port = port
         self._origin = f"{scheme}://{host}" + (f":{port}" if port else "")
         self._region = region
+        self.refusal: str | None = None
+        """Why the last GET left to s3fs was (an HTTP status, or the error's type)."""
         self._local = threading.local()
         self._connections: set[http.client.HTTPConnection] = set()
         self._connections_lock = threading.Lock()
@@ -150,14 +154,14 @@ class DirectReader:
                 conn.request("GET", f"/{path}", headers=headers)
                 response = conn.getresponse()
                 return self._answer(response, view, conn)
-            except (http.client.RemoteDisconnected, ConnectionResetError, BrokenPipeError):
+            except (http.client.RemoteDisconnected, ConnectionResetError, BrokenPipeError) as exc:
                 conn.close()
                 if attempt:
-                    return FALLBACK
-            except (OSError, http.client.HTTPException):
+                    return self._refused(type(exc).__name__)
+            except (OSError, http.client.HTTPException) as exc:
                 conn.close()
-                return FALLBACK
-        return FALLBACK
+                return self._refused(type(exc).__name__)
+        return FALLBACK  # not reached: the second attempt answers or is refused
 
     def _answer(
         self, response: http.client.HTTPResponse, view: memoryview, conn: http.client.HTTPConnection
@@ -169,15 +173,19 @@ class DirectReader:
                 _done(response, conn)
                 return bytes(header)
             conn.close()
-            return FALLBACK  # the connection broke off: s3fs tries again and names why
+            return self._refused("a body cut short")  # s3fs tries again and names why
         body = response.read(64 << 10) if response.status != 200 else b""
         conn.close()
         if response.status == 200:
             # another length is not a whole block; no length at all (a chunked answer) is
             # left to s3fs, which reads it whole and judges it
-            return b"" if length is not None else FALLBACK
+            return b"" if length is not None else self._refused("no Content-Length")
         if response.status == 404 and b"<Code>NoSuchKey</Code>" in body:
             return None
+        return self._refused(f"HTTP {response.status}")
+
+    def _refused(self, why: str) -> object:
+        self.refusal = why
         return FALLBACK
 
     def _signed(self, url: str, credentials: Any) -> dict[str, str]:

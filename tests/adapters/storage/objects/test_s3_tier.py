@@ -303,6 +303,59 @@ def test_own_gets_keep_connections_alive_where_the_server_does(wire_s3_server: W
         assert connections == 3 * n
 
 
+def test_own_gets_the_server_keeps_refusing_give_way_to_s3fs_for_good(
+    wire_s3_server: Wire,
+) -> None:
+    """A server (or a proxy before it) that refuses the tier's own GETs but serves s3fs's:
+    every read is exact, through s3fs; after ``REFUSED_JOBS`` such jobs in a row the tier
+    stops sending its own GETs (one request per block, not two) and says why, once."""
+    from structlog.testing import capture_logs
+
+    from kvhex.adapters.storage.objects import REFUSED_JOBS
+
+    wire = wire_s3_server
+    wire.refused_agents.append("kvhex")
+    n = 4
+    host = MemoryHostBuffer(n, SLOT)
+    fill(host, n, 3)
+    expected = [bytes(host.slot_view(s)) for s in range(n)]
+    store = tier(host, wire.endpoint, wire.bucket)
+    assert run(store, JobKind.PUT, list(range(n))).success
+    with capture_logs() as logs:
+        for _ in range(REFUSED_JOBS + 2):
+            fill(host, n, 200)
+            assert run(store, JobKind.GET, list(range(n))).success
+            assert [bytes(host.slot_view(s)) for s in range(n)] == expected
+    store.close()
+    agents = [headers["user-agent"] for headers in wire.block_requests("GET")]
+    assert agents.count("kvhex") == REFUSED_JOBS * n
+    assert len(agents) == (2 * REFUSED_JOBS + 2) * n  # then s3fs's alone
+    off = [entry for entry in logs if entry["event"] == "s3_direct_reads_off"]
+    assert len(off) == 1
+    assert off[0]["last_refusal"] == "HTTP 403"
+
+
+def test_own_gets_that_are_served_again_stay_on(wire_s3_server: Wire) -> None:
+    """Refusals that are not ``REFUSED_JOBS`` jobs in a row (a server that refused for a
+    while) leave the tier's own GETs on."""
+    from kvhex.adapters.storage.objects import REFUSED_JOBS
+
+    wire = wire_s3_server
+    host = MemoryHostBuffer(2, SLOT)
+    fill(host, 2, 3)
+    store = tier(host, wire.endpoint, wire.bucket)
+    assert run(store, JobKind.PUT, [0, 1]).success
+    for _ in range(2):
+        wire.refused_agents.append("kvhex")
+        for _ in range(REFUSED_JOBS - 1):
+            assert run(store, JobKind.GET, [0, 1]).success
+        wire.refused_agents.clear()
+        assert run(store, JobKind.GET, [0, 1]).success
+    store.close()
+    agents = [headers["user-agent"] for headers in wire.block_requests("GET")]
+    assert agents[-2:] == ["kvhex", "kvhex"]  # still the tier's own
+
+
 @pytest.mark.parametrize(
     ("endpoint", "extra"),
     [
