@@ -26,13 +26,14 @@ def kvhex(
     )
 
 
-def spawn(*args: str) -> subprocess.Popen[str]:
+def spawn(*args: str, env: Mapping[str, str] | None = None) -> subprocess.Popen[str]:
     """``python -m kvhex ARGS`` started in the background (stdout and stderr piped)."""
     return subprocess.Popen(
         [sys.executable, "-m", "kvhex", *args],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        env={**os.environ, **(env or {})},
     )
 
 

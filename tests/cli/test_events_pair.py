@@ -124,7 +124,7 @@ def test_a_watcher_that_joins_late_loses_nothing(tmp_path: Path) -> None:
                 len(json.loads(line)["events"]) for line in jsonl.read_text().splitlines()
             )
             out.wait_for(lambda lines: len(lines) >= published, timeout=120)
-            watcher.send_signal(signal.SIGINT)
+            watcher.send_signal(signal.SIGTERM)  # as a service manager stops it: as Ctrl-C
             watcher.wait(timeout=60)
         finally:
             watcher.kill()

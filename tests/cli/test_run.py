@@ -5,8 +5,10 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -310,3 +312,45 @@ def test_a_disk_that_fills_mid_run_shows_the_failed_writes(tmp_path: Path) -> No
     assert "NOT OK:" in out
     assert "No space left on device" in done.stderr
     assert "Traceback" not in done.stderr
+
+
+def test_sigterm_stops_a_run_as_ctrl_c_does_and_leaves_nothing_behind(tmp_path: Path) -> None:
+    """A service manager stops ``kvhex run`` with SIGTERM: it ends within seconds with status
+    143, its scratch directory removed and its file tier closed (another run adopts every
+    slab, fsck finds the tier clean)."""
+    from kvhex.adapters.storage.files.fsck import check_root
+    from tests.cli.command import Lines, spawn
+
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    config = small_config(tmp_path)
+    events = tmp_path / "events.jsonl"
+    child = spawn(
+        "run",
+        "--config",
+        str(config),
+        "--duration",
+        "300",
+        "--events",
+        str(events),
+        "--no-progress",
+        env={"TMPDIR": str(scratch)},
+    )
+    out, err = Lines(child.stdout), Lines(child.stderr)
+    try:
+        while not events.exists() or len(events.read_text().splitlines()) < 3:
+            assert child.poll() is None, err.text()
+            time.sleep(0.05)
+        assert list(scratch.iterdir()), "the run made no scratch directory under TMPDIR"
+        child.send_signal(signal.SIGTERM)
+        assert child.wait(timeout=60) == 128 + signal.SIGTERM, err.text()
+    finally:
+        child.kill()
+        child.wait(10)
+        out.text()
+        err.text()
+    assert list(scratch.iterdir()) == []
+    report = check_root(tmp_path / "tier")
+    assert report.clean, report.as_dict()
+    again = kvhex("run", "--config", str(config), *SMALL)
+    assert again.returncode == 0, again.stderr

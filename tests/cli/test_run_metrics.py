@@ -47,8 +47,12 @@ def test_metrics_are_served_during_the_run_and_agree_with_its_summary(tmp_path: 
         summary = json.loads("\n".join(lines))
         last = scrape(url.group(1))
     finally:
-        child.kill()
-        child.wait(10)
+        child.terminate()  # as a service manager stops it: its scratch files go too
+        try:
+            child.wait(60)
+        finally:
+            child.kill()
+            child.wait(10)
     assert summary["requests"] == 600
     for name, count in summary["events"].items():
         kind, medium = name.split(" ")

@@ -6,7 +6,9 @@ The frame adds what every command shares: ``--version``, ``-v``/``--verbose`` an
 ``--log-format`` (before or after the subcommand), logging to stderr (``cli._logging``), and
 the exit statuses of ``cli._args``. Bad flags, configuration, workload files, endpoints and
 unreachable tiers exit 2 with a message naming the flag, key (with its path) or file; no
-traceback for a user's mistake.
+traceback for a user's mistake. ``SIGTERM`` (a service manager stopping kvhex) ends a command
+as Ctrl-C does, its tiers closed and its scratch files removed, with status 143 (130 for
+Ctrl-C).
 """
 
 from __future__ import annotations
@@ -15,7 +17,9 @@ import argparse
 import importlib
 import os
 import pkgutil
+import signal
 import sys
+import threading
 from collections.abc import Sequence
 
 from kvhex.cli._args import EXIT_FAILED, EXIT_USAGE
@@ -67,6 +71,15 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+class _Terminated(KeyboardInterrupt):
+    """``SIGTERM`` arrived: unwinds like Ctrl-C (a command that ends its work on Ctrl-C, as
+    ``kvhex events`` does, ends it the same way)."""
+
+
+def _terminate(signum: int, frame: object) -> None:
+    raise _Terminated
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``kvhex`` script; returns the exit status."""
     from kvhex.cli._logging import configure_logging
@@ -74,6 +87,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     configure_logging(args.verbose, args.log_format)
+    if threading.current_thread() is not threading.main_thread():  # signals reach main only
+        return _run(args)
+    previous = signal.signal(signal.SIGTERM, _terminate)
+    try:
+        return _run(args)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _run(args: argparse.Namespace) -> int:
     try:
         status: int = args.handler(args)
     except (ConfigError, PluginError, TierUnavailable) as exc:  # nothing ran: input or reach
@@ -82,6 +105,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KvhexError as exc:  # something failed while running
         print(f"kvhex {args.command}: {exc}", file=sys.stderr)
         return EXIT_FAILED
+    except _Terminated:
+        return 128 + signal.SIGTERM
     except KeyboardInterrupt:
         return 130
     except BrokenPipeError:  # the reader went away (``kvhex tiers --json | head``)
