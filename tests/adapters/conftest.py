@@ -74,9 +74,9 @@ class Wire:
     bucket: str
     requests: list[tuple[str, str, dict[str, str]]]
     keep_alive: bool
-    refused_agents: list[str]
-    """User agents whose block GETs the server answers 403 (as a proxy that rejects their
-    signature would); a test may add to it."""
+    refused_agents: dict[str, int]
+    """User agent -> the status the server answers its block GETs with (403: as a proxy that
+    rejects their signature would; 503: throttled); a test may set it."""
 
     def block_requests(self, method: str) -> list[dict[str, str]]:
         """The headers of every ``method`` request on a block object (``*.blk``)."""
@@ -112,7 +112,7 @@ def wire_s3_server(request: pytest.FixtureRequest) -> Iterator[Wire]:
     app = DomainDispatcherApplication(create_backend_app)
     requests: list[tuple[str, str, dict[str, str]]] = []
     keep_alive = request.param == "keep-alive"
-    refused_agents: list[str] = []
+    refused_agents: dict[str, int] = {}
 
     def recorder(environ: dict[str, Any], start_response: Any) -> Any:
         headers = {
@@ -123,14 +123,12 @@ def wire_s3_server(request: pytest.FixtureRequest) -> Iterator[Wire]:
         headers.setdefault("remote-port", str(environ.get("REMOTE_PORT", "")))
         path = environ.get("PATH_INFO", "")
         requests.append((environ["REQUEST_METHOD"], path, headers))
-        if (
-            environ["REQUEST_METHOD"] == "GET"
-            and path.endswith(".blk")
-            and headers.get("user-agent") in refused_agents
-        ):
-            body = b"<Error><Code>SignatureDoesNotMatch</Code></Error>"
+        status = refused_agents.get(headers.get("user-agent", ""))
+        if status and environ["REQUEST_METHOD"] == "GET" and path.endswith(".blk"):
+            code = "SignatureDoesNotMatch" if status == 403 else "SlowDown"
+            body = f"<Error><Code>{code}</Code></Error>".encode()
             start_response(
-                "403 Forbidden",
+                f"{status} {code}",
                 [("Content-Type", "application/xml"), ("Content-Length", str(len(body)))],
             )
             return [body]

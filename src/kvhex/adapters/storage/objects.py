@@ -38,7 +38,7 @@ from kvhex.adapters.storage.block_io import (
 )
 from kvhex.adapters.storage.format import CONFIG, HEADER_AREA, Verdict, pack_header, verify
 from kvhex.adapters.storage.object_errors import Cause, describe, job_error
-from kvhex.adapters.storage.s3_direct import FALLBACK, DirectReader
+from kvhex.adapters.storage.s3_direct import FALLBACK, REFUSED, DirectReader
 from kvhex.domain.keys import OffloadKey
 
 __all__ = ["REFUSED_JOBS", "SUFFIX", "FsspecObjectMover", "ObjectIo"]
@@ -47,8 +47,8 @@ log = structlog.get_logger(__name__)
 
 SUFFIX = ".blk"
 REFUSED_JOBS = 3
-"""Get jobs in a row whose every own GET the server refused, while s3fs was served the same
-objects, before the fsspec tier reads through s3fs only."""
+"""Get jobs in a row whose every own GET the server refused (a 4xx answer), while s3fs was
+served the same objects, before the fsspec tier reads through s3fs only."""
 
 
 def _key_from_hex(stem: str) -> OffloadKey | None:
@@ -291,18 +291,20 @@ class FsspecObjectMover:
         if not isinstance(direct, DirectReader):
             return self._cat(objects)
         out = direct.read(objects)
-        rest = [i for i, got in enumerate(out) if got is FALLBACK]
+        refused = all(got is REFUSED for got in out)
+        rest = [i for i, got in enumerate(out) if got is FALLBACK or got is REFUSED]
         if rest:
             for i, got in zip(rest, self._cat([objects[i] for i in rest]), strict=True):
                 out[i] = got
-        # refused: every own GET left to s3fs, which found the objects
-        self._judge(direct, len(rest) == len(objects) and any(out[i] is not None for i in rest))
+        # s3fs found what the server refused the reader
+        self._judge(direct, refused and any(got is not None for got in out))
         return out
 
     def _judge(self, direct: DirectReader, refused: bool) -> None:
         """After ``REFUSED_JOBS`` jobs in a row whose own GETs the server refused (a proxy
         that rejects their signature, say) while serving s3fs the same objects, reads go
-        through s3fs only: one request per block, not two."""
+        through s3fs only: one request per block, not two. Server errors and broken
+        connections (a server restarting, throttling) do not count."""
         with self._direct_lock:
             self._refused_jobs = self._refused_jobs + 1 if refused else 0
             if self._refused_jobs < REFUSED_JOBS or self._direct is not direct:

@@ -16,8 +16,9 @@ characters, and no CRC check of each response asked of botocore
 (``response_checksum_validation``). Otherwise, and for every answer but a whole block (200)
 or a missing key (404 ``NoSuchKey``), the read goes through s3fs, which names the cause (a
 lost bucket, credentials, an endpoint down: :mod:`kvhex.adapters.storage.object_errors`).
-:attr:`DirectReader.refusal` keeps why the last GET was left to s3fs, for the caller that
-turns the reader off when the server keeps refusing it what s3fs is served.
+Refusals (a 4xx answer) are told apart from other fallbacks (:data:`REFUSED`), and
+:attr:`DirectReader.refusal` keeps the last one, for the caller that turns the reader off
+when the server keeps refusing it what s3fs is served.
 
 Threads: :meth:`DirectReader.read` runs on any IO thread and hands a job's GETs to the
 reader's own request threads (:data:`REQUESTS_IN_FLIGHT`), each keeping its own connection
@@ -38,12 +39,16 @@ import structlog
 
 from kvhex.adapters.storage.format import HEADER_AREA
 
-__all__ = ["FALLBACK", "DirectReader"]
+__all__ = ["FALLBACK", "REFUSED", "DirectReader"]
 
 log = structlog.get_logger(__name__)
 
 FALLBACK = object()
 """What :meth:`DirectReader.read` answers for an object it left to s3fs."""
+REFUSED = object()
+"""What :meth:`DirectReader.read` answers for an object the server refused it with a client
+error (4xx but ``NoSuchKey``): left to s3fs too. A server that keeps refusing GETs that s3fs
+is served (a proxy rejecting their signature) is not going to serve them."""
 _PLAIN_PATH = re.compile(r"[A-Za-z0-9._~/-]+")
 REQUESTS_IN_FLIGHT = 32
 """GETs in flight at once, over every IO thread's jobs (one connection each): a job's
@@ -69,7 +74,7 @@ class DirectReader:
         self._origin = f"{scheme}://{host}" + (f":{port}" if port else "")
         self._region = region
         self.refusal: str | None = None
-        """Why the last GET left to s3fs was (an HTTP status, or the error's type)."""
+        """The status of the last refused GET (``HTTP 403``, say)."""
         self._local = threading.local()
         self._connections: set[http.client.HTTPConnection] = set()
         self._connections_lock = threading.Lock()
@@ -154,14 +159,14 @@ class DirectReader:
                 conn.request("GET", f"/{path}", headers=headers)
                 response = conn.getresponse()
                 return self._answer(response, view, conn)
-            except (http.client.RemoteDisconnected, ConnectionResetError, BrokenPipeError) as exc:
+            except (http.client.RemoteDisconnected, ConnectionResetError, BrokenPipeError):
                 conn.close()
                 if attempt:
-                    return self._refused(type(exc).__name__)
-            except (OSError, http.client.HTTPException) as exc:
+                    return FALLBACK
+            except (OSError, http.client.HTTPException):
                 conn.close()
-                return self._refused(type(exc).__name__)
-        return FALLBACK  # not reached: the second attempt answers or is refused
+                return FALLBACK
+        return FALLBACK
 
     def _answer(
         self, response: http.client.HTTPResponse, view: memoryview, conn: http.client.HTTPConnection
@@ -173,20 +178,19 @@ class DirectReader:
                 _done(response, conn)
                 return bytes(header)
             conn.close()
-            return self._refused("a body cut short")  # s3fs tries again and names why
+            return FALLBACK  # the connection broke off: s3fs tries again and names why
         body = response.read(64 << 10) if response.status != 200 else b""
         conn.close()
         if response.status == 200:
             # another length is not a whole block; no length at all (a chunked answer) is
             # left to s3fs, which reads it whole and judges it
-            return b"" if length is not None else self._refused("no Content-Length")
+            return b"" if length is not None else FALLBACK
         if response.status == 404 and b"<Code>NoSuchKey</Code>" in body:
             return None
-        return self._refused(f"HTTP {response.status}")
-
-    def _refused(self, why: str) -> object:
-        self.refusal = why
-        return FALLBACK
+        if 400 <= response.status < 500:
+            self.refusal = f"HTTP {response.status}"
+            return REFUSED
+        return FALLBACK  # a server error (503 SlowDown, say) is s3fs's to retry
 
     def _signed(self, url: str, credentials: Any) -> dict[str, str]:
         from botocore.auth import S3SigV4Auth

@@ -314,7 +314,7 @@ def test_own_gets_the_server_keeps_refusing_give_way_to_s3fs_for_good(
     from kvhex.adapters.storage.objects import REFUSED_JOBS
 
     wire = wire_s3_server
-    wire.refused_agents.append("kvhex")
+    wire.refused_agents["kvhex"] = 403
     n = 4
     host = MemoryHostBuffer(n, SLOT)
     fill(host, n, 3)
@@ -335,9 +335,13 @@ def test_own_gets_the_server_keeps_refusing_give_way_to_s3fs_for_good(
     assert off[0]["last_refusal"] == "HTTP 403"
 
 
-def test_own_gets_that_are_served_again_stay_on(wire_s3_server: Wire) -> None:
+@pytest.mark.parametrize("status", [403, 503], ids=["refused-for-a-while", "throttled"])
+def test_own_gets_stay_on_through_passing_refusals_and_server_errors(
+    wire_s3_server: Wire, status: int
+) -> None:
     """Refusals that are not ``REFUSED_JOBS`` jobs in a row (a server that refused for a
-    while) leave the tier's own GETs on."""
+    while), or any number of server errors (503 SlowDown: throttling, which s3fs retries),
+    leave the tier's own GETs on."""
     from kvhex.adapters.storage.objects import REFUSED_JOBS
 
     wire = wire_s3_server
@@ -346,8 +350,8 @@ def test_own_gets_that_are_served_again_stay_on(wire_s3_server: Wire) -> None:
     store = tier(host, wire.endpoint, wire.bucket)
     assert run(store, JobKind.PUT, [0, 1]).success
     for _ in range(2):
-        wire.refused_agents.append("kvhex")
-        for _ in range(REFUSED_JOBS - 1):
+        wire.refused_agents["kvhex"] = status
+        for _ in range(REFUSED_JOBS - 1 if status == 403 else REFUSED_JOBS + 1):
             assert run(store, JobKind.GET, [0, 1]).success
         wire.refused_agents.clear()
         assert run(store, JobKind.GET, [0, 1]).success
