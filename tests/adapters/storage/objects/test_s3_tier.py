@@ -279,16 +279,23 @@ def test_reads_go_straight_into_the_slots_by_signed_gets_of_their_own(
         assert f"Credential={CREDENTIALS['key']}/" in headers["authorization"]
 
 
-def test_own_gets_keep_connections_alive_where_the_server_does(wire_s3_server: Wire) -> None:
-    """Many reads over few connections on a keep-alive server (one each on a server that
-    closes them), every byte exact."""
-    wire = wire_s3_server
-    n = 24
+def stored(wire: Wire, n: int) -> tuple[MemoryHostBuffer, list[bytes], FsspecTierStore]:
+    """A tier on ``wire`` that stored ``n`` blocks from host slots ``0..n-1``; the host
+    buffer and those blocks' bytes."""
     host = MemoryHostBuffer(n, SLOT)
     fill(host, n, 11)
     expected = [bytes(host.slot_view(s)) for s in range(n)]
     store = tier(host, wire.endpoint, wire.bucket)
     assert run(store, JobKind.PUT, list(range(n))).success
+    return host, expected, store
+
+
+def test_own_gets_keep_connections_alive_where_the_server_does(wire_s3_server: Wire) -> None:
+    """Many reads over few connections on a keep-alive server (one each on a server that
+    closes them), every byte exact."""
+    wire = wire_s3_server
+    n = 24
+    host, expected, store = stored(wire, n)
     for _ in range(3):
         fill(host, n, 200)
         assert run(store, JobKind.GET, list(range(n))).success
@@ -316,11 +323,7 @@ def test_own_gets_the_server_keeps_refusing_give_way_to_s3fs_for_good(
     wire = wire_s3_server
     wire.refused_agents["kvhex"] = 403
     n = 4
-    host = MemoryHostBuffer(n, SLOT)
-    fill(host, n, 3)
-    expected = [bytes(host.slot_view(s)) for s in range(n)]
-    store = tier(host, wire.endpoint, wire.bucket)
-    assert run(store, JobKind.PUT, list(range(n))).success
+    host, expected, store = stored(wire, n)
     with capture_logs() as logs:
         for _ in range(REFUSED_JOBS + 2):
             fill(host, n, 200)
@@ -345,10 +348,7 @@ def test_own_gets_stay_on_through_passing_refusals_and_server_errors(
     from kvhex.adapters.storage.objects import REFUSED_JOBS
 
     wire = wire_s3_server
-    host = MemoryHostBuffer(2, SLOT)
-    fill(host, 2, 3)
-    store = tier(host, wire.endpoint, wire.bucket)
-    assert run(store, JobKind.PUT, [0, 1]).success
+    _, _, store = stored(wire, 2)
     for _ in range(2):
         wire.refused_agents["kvhex"] = status
         for _ in range(REFUSED_JOBS - 1 if status == 403 else REFUSED_JOBS + 1):
