@@ -316,8 +316,8 @@ def test_a_disk_that_fills_mid_run_shows_the_failed_writes(tmp_path: Path) -> No
 
 def test_sigterm_stops_a_run_as_ctrl_c_does_and_leaves_nothing_behind(tmp_path: Path) -> None:
     """A service manager stops ``kvhex run`` with SIGTERM: it ends within seconds with status
-    143, its scratch directory removed and its file tier closed (another run adopts every
-    slab, fsck finds the tier clean)."""
+    143 (not killed by the signal) and its scratch directory removed (what SIGKILL leaves
+    behind); its file tier is left usable: fsck finds it clean and another run works on it."""
     from kvhex.adapters.storage.files.fsck import check_root
     from tests.cli.command import Lines, spawn
 

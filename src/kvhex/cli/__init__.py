@@ -92,8 +92,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     previous = signal.signal(signal.SIGTERM, _terminate)
     try:
         return _run(args)
-    finally:
-        signal.signal(signal.SIGTERM, previous)
+    finally:  # None: a handler set outside Python, which Python cannot put back
+        signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
 
 
 def _run(args: argparse.Namespace) -> int:
