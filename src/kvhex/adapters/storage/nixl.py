@@ -45,7 +45,7 @@ from kvhex.domain.keys import OffloadKey
 from kvhex.domain.tiers import Locality, Medium, TierIdentity
 from kvhex.ports.host_buffer import HostBuffer
 
-__all__ = ["NixlObjectMover", "NixlSlotMover", "NixlTierStore"]
+__all__ = ["NixlObjectMover", "NixlSlotMover", "NixlTierStore", "settle"]
 
 T = TypeVar("T")
 
@@ -54,10 +54,30 @@ STAGED_HEADERS = 256
 """Block headers one POSIX transfer moves through an agent's staging area (1 MiB of it)."""
 STAGED_OBJECT_BYTES = 64 << 20
 """Most bytes of whole blocks one OBJ write transfer stages (at least one block)."""
+POLL_FRACTION = 1 / 16
+POLL_MIN_S = 0.00002
+POLL_MAX_S = 0.005
+"""A thread waiting for its transfer naps ``POLL_FRACTION`` of the time it has waited, from
+``POLL_MIN_S`` to ``POLL_MAX_S``: NIXL offers no blocking wait, and on a 2-vCPU VM each nap
+costs about 35 us of CPU, which naps of at most 0.2 ms made a tenth of a core per waiting
+thread (docs/performance.md)."""
 
 
 def _address(view: memoryview | bytearray) -> int:
     return ctypes.addressof(ctypes.c_char.from_buffer(view))
+
+
+def settle(state: str, check: Callable[[], str]) -> str:
+    """The state a transfer that was ``state`` when submitted ends in, asking ``check`` (NIXL
+    offers no blocking wait). Each nap is ``POLL_FRACTION`` of the time waited so far: a
+    transfer is seen done within about that fraction of its time, and one of a second wakes
+    its thread a few hundred times, not thousands."""
+    started = time.perf_counter()
+    while state in ("PROC", "INIT"):
+        waited = time.perf_counter() - started
+        time.sleep(min(POLL_MAX_S, max(POLL_MIN_S, waited * POLL_FRACTION)))
+        state = check()
+    return state
 
 
 class _Agent:
@@ -119,15 +139,7 @@ class _Agent:
             self.name,
         )
         try:
-            state = agent.transfer(handle)
-            nap = 0.00001
-            while state in ("PROC", "INIT"):
-                # naps from 10 us doubling up to 0.2 ms: a short job is seen done soon after
-                # its last byte, a long one costs few checks, and no core is spun
-                time.sleep(nap)
-                nap = min(0.0002, nap * 2)
-                state = agent.check_xfer_state(handle)
-            return bool(state == "DONE")
+            return settle(agent.transfer(handle), lambda: agent.check_xfer_state(handle)) == "DONE"
         finally:
             agent.release_xfer_handle(handle)
 
