@@ -13,9 +13,10 @@ from typing import IO
 
 
 def kvhex(
-    *args: str, env: Mapping[str, str] | None = None, timeout: float = 120
+    *args: str, env: Mapping[str, str] | None = None, timeout: float = 240
 ) -> subprocess.CompletedProcess[str]:
-    """``python -m kvhex ARGS``, finished, with its exit status, stdout and stderr."""
+    """``python -m kvhex ARGS``, finished, with its exit status, stdout and stderr (a
+    default run on a slow machine takes about a minute)."""
     return subprocess.run(
         [sys.executable, "-m", "kvhex", *args],
         capture_output=True,

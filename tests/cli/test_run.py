@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import signal
 import subprocess
@@ -15,20 +14,9 @@ from typing import Any
 import pytest
 
 from tests.adapters.conftest import CREDENTIALS
-from tests.cli.command import small_config
+from tests.cli.command import kvhex, small_config
 
 SMALL = ["--requests", "30", "--no-progress"]
-
-
-def kvhex(*args: str, env: dict[str, str] | None = None, timeout: float = 240) -> Any:
-    return subprocess.run(
-        [sys.executable, "-m", "kvhex", *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env={**os.environ, **(env or {})},
-        check=False,
-    )
 
 
 def test_the_default_run_reports_hits_traffic_events_and_integrity() -> None:

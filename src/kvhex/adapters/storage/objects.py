@@ -23,6 +23,7 @@ a failed job whose error names the cause (:func:`~kvhex.adapters.storage.object_
 from __future__ import annotations
 
 import contextlib
+import enum
 import threading
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -233,6 +234,18 @@ class ObjectIo:
         return False
 
 
+class _Reads(enum.Enum):
+    """How :class:`FsspecObjectMover` reads blocks."""
+
+    UNKNOWN = "unknown"
+    """Not decided yet: the first get decides, once the namespace's client exists."""
+    DIRECT = "direct"
+    """The tier's own signed GETs straight into the slots, s3fs for what they leave."""
+    S3FS = "s3fs"
+    """s3fs only: an endpoint whose requests are not plain to build, or a server that
+    refused the own GETs ``REFUSED_JOBS`` jobs in a row."""
+
+
 class FsspecObjectMover:
     """Blocks as objects through fsspec: a job's objects go out as one concurrent ``pipe``
     (a block's object built with one copy of the payload). They come back, on an
@@ -246,10 +259,10 @@ class FsspecObjectMover:
         # s3fs asks for an object's size (a HEAD) before every GET unless told to read each
         # object in one request: a block is one object, read whole
         self._cat_options = {"max_concurrency": 1} if hasattr(fs, "max_concurrency") else {}
-        self._direct: DirectReader | bool | None = False  # False: not looked at yet
-        self._direct_lock = threading.Lock()
+        self._reads = _Reads.UNKNOWN
+        self._reader: DirectReader | None = None  # open until the mover closes
+        self._reads_lock = threading.Lock()
         self._refused_jobs = 0  # jobs in a row whose every own GET s3fs had to serve
-        self._retired: DirectReader | None = None
 
     def put_objects(
         self, objects: Sequence[tuple[str, OffloadKey, memoryview]]
@@ -284,11 +297,12 @@ class FsspecObjectMover:
             StoreLost: the bucket is gone.
             OSError: the store failed; the message names the cause.
         """
-        with self._direct_lock:  # the client exists once the namespace was opened
-            if self._direct is False:
-                self._direct = DirectReader.of(self.fs)
-            direct = self._direct
-        if not isinstance(direct, DirectReader):
+        with self._reads_lock:
+            if self._reads is _Reads.UNKNOWN:  # the client exists once the namespace was opened
+                self._reader = DirectReader.of(self.fs)
+                self._reads = _Reads.S3FS if self._reader is None else _Reads.DIRECT
+            direct = self._reader if self._reads is _Reads.DIRECT else None
+        if direct is None:
             return self._cat(objects)
         out = direct.read(objects)
         refused = all(got is REFUSED for got in out)
@@ -305,11 +319,12 @@ class FsspecObjectMover:
         that rejects their signature, say) while serving s3fs the same objects, reads go
         through s3fs only: one request per block, not two. Server errors and broken
         connections (a server restarting, throttling) do not count."""
-        with self._direct_lock:
+        with self._reads_lock:
             self._refused_jobs = self._refused_jobs + 1 if refused else 0
-            if self._refused_jobs < REFUSED_JOBS or self._direct is not direct:
+            if self._refused_jobs < REFUSED_JOBS or self._reads is not _Reads.DIRECT:
                 return
-            self._direct, self._retired = None, direct  # closed with the mover
+            # the reader stays open: another IO thread may be inside its read()
+            self._reads = _Reads.S3FS
         log.warning(
             "s3_direct_reads_off", url=self.url, jobs=REFUSED_JOBS, last_refusal=direct.refusal
         )
@@ -337,10 +352,9 @@ class FsspecObjectMover:
 
     def close(self) -> None:
         """Stop the direct reader's request threads, if it has one."""
-        with self._direct_lock:
-            for reader in (self._direct, self._retired):
-                if isinstance(reader, DirectReader):
-                    reader.close()
+        with self._reads_lock:
+            if self._reader is not None:
+                self._reader.close()
 
 
 def _failure(exc: BaseException, url: str) -> OSError | StoreLost:
