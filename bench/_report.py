@@ -45,6 +45,28 @@ def parse(parser: argparse.ArgumentParser, quick: Mapping[str, Any]) -> argparse
     return args
 
 
+def add_chunk_sizes(parser: argparse.ArgumentParser) -> None:
+    """Add ``--chunk-kib``: the chunk sizes a tier bench measures, in KiB (2 MiB and 256 KiB
+    by default), as ``args.chunk_kib``, a list of byte counts."""
+    parser.add_argument(
+        "--chunk-kib",
+        type=_chunk_sizes,
+        default=[2048 * 1024, 256 * 1024],
+        metavar="KIB[,KIB...]",
+        help="chunk sizes in KiB, each measured on its own (default: 2048,256)",
+    )
+
+
+def _chunk_sizes(text: str) -> list[int]:
+    try:
+        sizes = [int(part) * 1024 for part in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a list of whole KiB") from None
+    if not all(size > 0 for size in sizes):
+        raise argparse.ArgumentTypeError(f"{text!r}: every chunk size must be at least 1 KiB")
+    return sizes
+
+
 def _reserve_stdout() -> TextIO:
     """The original stdout, kept for the JSON document, with file descriptor 1 pointed at
     stderr: log lines (structlog prints to stdout) and native libraries that write to fd 1

@@ -1,8 +1,9 @@
 """Object-store throughput: kvhex's S3 tiers beside vLLM 0.33's own object tier, same server.
 
-For each chunk size (2 MiB and 256 KiB), ``--total-mib`` (512 MiB by default) go host ->
-store (put) and store -> host (get) through three tiers talking to one loopback S3 server
-(moto, in a process of its own, as S3 is; its speed, not S3's, bounds every side):
+For each chunk size (``--chunk-kib``: 2 MiB and 256 KiB by default), ``--total-mib`` (512 MiB
+by default) go host -> store (put) and store -> host (get) through three tiers talking to one
+loopback S3 server (moto, in a process of its own, as S3 is; its speed, not S3's, bounds every
+side):
 
 * the baseline, vLLM's ``ObjectStoreSecondaryTierManager`` (tier type ``obj``: NIXL's OBJ
   backend), built by vLLM's ``SecondaryTierFactory`` on a real host buffer of up to 256
@@ -52,7 +53,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from _report import Report, parse
+from _report import Report, add_chunk_sizes, parse
 from _s3 import start_loopback_s3
 from kvhex.adapters.memory import MemoryHostBuffer
 from kvhex.adapters.storage.s3_direct import REQUESTS_IN_FLIGHT
@@ -393,6 +394,7 @@ def main() -> None:
         help="every side's IO threads (vLLM's obj tier defaults to 4)",
     )
     parser.add_argument("--repeats", type=int, default=5)
+    add_chunk_sizes(parser)
     args = parse(parser, QUICK)
     report = Report("objects", args)
     sides = [s for s in args.tiers.split(",") if s]
@@ -426,7 +428,7 @@ def main() -> None:
         )
     head = f"{'tier':<6}{'chunk':>9}{'put GB/s':>10}{'vllm':>8}{'ratio':>7}"
     report.say(head + f"{'get GB/s':>10}{'vllm':>8}{'ratio':>7}")
-    for chunk in (2 * MiB, 256 * 1024):
+    for chunk in args.chunk_kib:
         label = f"{chunk // 1024} KiB"
         r = one_size(chunk, sides, args, with_vllm)
         for side in sides:

@@ -1,9 +1,9 @@
 """Tier throughput: GB/s through kvhex's storage tiers beside raw IO of the same bytes.
 
-For each chunk size (2 MiB and 256 KiB) and each tier, ``--total`` bytes (2 GiB by default)
-go host -> tier (put) and tier -> host (get) through the tier's own jobs, in batches of
-``--batch`` chunks per job on ``--io-threads`` IO threads, with a baseline measured in the
-same run:
+For each chunk size (``--chunk-kib``: 2 MiB and 256 KiB by default) and each tier,
+``--total-mib`` (2 GiB by default) go host -> tier (put) and tier -> host (get) through the
+tier's own jobs, in batches of ``--batch`` chunks per job on ``--io-threads`` IO threads, with
+a baseline measured in the same run:
 
 * local files (fsspec tier) and NIXL's POSIX backend (NIXL tier) vs raw ``os.pwrite`` /
   ``os.preadv`` of the same bytes into one preallocated file, one call per chunk on one
@@ -35,7 +35,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from _report import Report, parse
+from _report import Report, add_chunk_sizes, parse
 from _s3 import start_loopback_s3
 from kvhex.adapters.memory import MemoryHostBuffer
 from kvhex.adapters.storage.fsspec import FsspecTierStore
@@ -272,12 +272,16 @@ def main() -> None:
     parser.add_argument(
         "--dir", default=None, help="where the file tier writes (default: a temp dir)"
     )
+    add_chunk_sizes(parser)
     args = parse(parser, QUICK)
-    report = Report("tiers", args)
     tiers = args.tiers.split(",")
+    smallest = min([args.total_mib] + ([args.s3_total_mib] if "s3" in tiers else []))
+    if max(args.chunk_kib) > smallest * MiB:
+        parser.error(f"--chunk-kib: a chunk larger than the {smallest} MiB a pass moves")
+    report = Report("tiers", args)
     head = f"{'tier':<8}{'chunk':>8}{'put GB/s':>10}{'raw':>8}{'ratio':>7}"
     report.say(head + f"{'get GB/s':>10}{'raw':>8}{'ratio':>7}")
-    for chunk in (2 * MiB, 256 * 1024):
+    for chunk in args.chunk_kib:
         label = f"{chunk // 1024} KiB"
         if "files" in tiers:
             directory = tempfile.mkdtemp(prefix="kvhex-bench-", dir=args.dir)

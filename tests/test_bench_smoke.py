@@ -107,6 +107,38 @@ def test_tiers_bench_runs_every_tier_with_its_baseline() -> None:
     assert out.count("KiB") == 6
 
 
+TIERS_FILES = [sys.executable, str(BENCH / "tiers.py"), "--quick", "--tiers", "files"]
+
+
+def test_tiers_bench_measures_only_the_chunk_sizes_asked_for() -> None:
+    out = subprocess.run(
+        [*TIERS_FILES, "--chunk-kib", "64,256", "--json"],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=300,
+    ).stdout
+    cases = [row["case"] for row in json.loads(out)["rows"]]
+    assert cases == [f"files {kib} KiB {way}" for kib in (64, 256) for way in ("put", "get")]
+
+
+@pytest.mark.parametrize(
+    ("value", "named"),
+    [("2048,x", "not a list of whole KiB"), ("0", "at least 1 KiB"), ("16384", "larger than")],
+)
+def test_tiers_bench_refuses_bad_chunk_sizes_naming_the_flag(value: str, named: str) -> None:
+    done = subprocess.run(
+        [*TIERS_FILES, "--chunk-kib", value],
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=120,
+    )
+    assert done.returncode == 2
+    assert "--chunk-kib" in done.stderr
+    assert named in done.stderr
+
+
 def test_gpu_transfer_bench_runs_on_cpu_tensors_with_its_baseline() -> None:
     out = subprocess.run(
         [
