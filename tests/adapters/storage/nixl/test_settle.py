@@ -30,8 +30,9 @@ def test_a_long_transfer_is_seen_ending_soon_after_few_wakeups(final: str) -> No
     transfer = Transfer(0.4, final)
     assert settle("PROC", transfer.state) == final
     late = time.perf_counter() - transfer.ends
-    # naps of 1/16 of the wait, at most POLL_MAX_S: about 130 checks for 0.4 s (about 1,300 with
-    # fixed 0.2 ms naps, the earlier rule), the end seen within one nap (and scheduling)
+    # naps of 1/16 of the wait, at most POLL_MAX_S: about 130 checks for 0.4 s (about 1,300
+    # with naps of at most 0.2 ms, the earlier rule), the end seen within one nap (and
+    # scheduling)
     assert transfer.asked <= 200
     assert late <= POLL_MAX_S + 0.05
 
