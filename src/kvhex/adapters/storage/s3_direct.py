@@ -160,9 +160,7 @@ class DirectReader:
                 response = conn.getresponse()
                 return self._answer(response, view, conn)
             except (http.client.RemoteDisconnected, ConnectionResetError, BrokenPipeError):
-                conn.close()
-                if attempt:
-                    return FALLBACK
+                conn.close()  # tried once more on a fresh connection, then left to s3fs
             except (OSError, http.client.HTTPException):
                 conn.close()
                 return FALLBACK
