@@ -14,7 +14,15 @@ a baseline measured in the same run:
   bounds both).
 
     python bench/tiers.py [--total-mib 2048] [--tiers files,nixl,s3] [--dir PATH]
+    python bench/tiers.py --tiers files --chunk-kib 256 --queued   # the data path alone
     python bench/tiers.py --quick --json   # tiny sizes; rows as JSON (see _report.py)
+
+By default the bench's thread plays the scheduler: it submits a pass's jobs as fast as it
+can, then polls every 0.5 ms, on the same cores and under the same GIL as the tier's IO
+threads. ``--queued`` measures the tier's own data path instead: every job of a pass (of each
+wave of gets, which the host buffer's slots bound) is submitted while the IO threads are held
+at their first slot view, and the time runs from their release until the last job is
+collected, polling every 2 ms until as many jobs as IO threads are left, then every 0.1 ms.
 
 A plain script, never a timed test. One untimed round warms both sides up (page cache, the
 tier's slab files, the server's connections); then raw and tier passes alternate, each
@@ -31,6 +39,7 @@ import os
 import shutil
 import statistics
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -51,15 +60,39 @@ BASELINES = {
 }
 
 
-def wait_all(store: FsspecTierStore, n_jobs: int) -> None:
+def wait_all(store: FsspecTierStore, n_jobs: int, nap: float = 0.0005, last: int = 0) -> None:
+    """Poll until ``n_jobs`` jobs reported, napping ``nap`` between empty polls, and 0.1 ms
+    once at most ``last`` jobs are left."""
     done = 0
     while done < n_jobs:
         results = store.poll()
         for result in results:
             assert result.success, result.error
         done += len(results)
-        if not results:
-            time.sleep(0.0005)
+        if done < n_jobs and not results:
+            time.sleep(nap if n_jobs - done > last else 0.0001)
+
+
+class HeldHost:
+    """The bench's host buffer with a gate: while it is held, a tier's IO threads wait at
+    their first slot view, so the jobs submitted meanwhile queue up (``--queued``)."""
+
+    def __init__(self, host: MemoryHostBuffer) -> None:
+        self.host = host
+        self.num_slots = host.num_slots
+        self.slot_bytes = host.slot_bytes
+        self._open = threading.Event()
+        self._open.set()
+
+    def slot_view(self, slot: int) -> memoryview:
+        self._open.wait()
+        return self.host.slot_view(slot)
+
+    def hold(self) -> None:
+        self._open.clear()
+
+    def release(self) -> None:
+        self._open.set()
 
 
 class TierRun:
@@ -70,12 +103,13 @@ class TierRun:
     def __init__(
         self,
         store: FsspecTierStore,
-        host: MemoryHostBuffer,
+        host: MemoryHostBuffer | HeldHost,
         n_chunks: int,
         batch: int,
         rounds: int,
     ) -> None:
         self.store, self.host, self.n, self.batch = store, host, n_chunks, batch
+        self.held = host if isinstance(host, HeldHost) else None
         self.next_id = 0
         self.round = 0
         self.keys = [
@@ -86,46 +120,68 @@ class TierRun:
             for r in range(rounds + 1)
         ]
 
-    def _jobs(self, kind: JobKind) -> None:
+    def _jobs(self, kind: JobKind) -> float | None:
         """Submit every chunk, ``batch`` per job. Gets keep at most ``num_slots`` chunks in
         flight, so no two running jobs fill the same slot (as the manager's reservations
-        guarantee); puts only read their slots."""
+        guarantee); puts only read their slots. With a held host (``--queued``), each wave's
+        jobs are submitted while the IO threads are held, and the seconds from their release
+        to the wave's end are returned, summed over the waves."""
         slots = self.host.num_slots
-        in_flight = jobs = 0
+        submit = self.store.submit_put if kind is JobKind.PUT else self.store.submit_get
+        waves: list[list[TierJob]] = [[]]
+        in_flight = 0
         for start in range(0, self.n, self.batch):
             ids = range(start, min(start + self.batch, self.n))
             if kind is JobKind.GET and in_flight + len(ids) > slots:
-                wait_all(self.store, jobs)
-                in_flight = jobs = 0
+                if self.held is None:
+                    wait_all(self.store, len(waves[-1]))
+                waves.append([])
+                in_flight = 0
             keys = tuple(self.keys[self.round][start : start + len(ids)])
             job = TierJob(JobId(self.next_id), kind, keys, tuple(i % slots for i in ids))
             self.next_id += 1
-            (self.store.submit_put if kind is JobKind.PUT else self.store.submit_get)(job)
+            if self.held is None:
+                submit(job)
+            waves[-1].append(job)
             in_flight += len(ids)
-            jobs += 1
-        wait_all(self.store, jobs)
+        if self.held is None:
+            wait_all(self.store, len(waves[-1]))
+            return None
+        seconds = 0.0
+        for wave in waves:
+            self.held.hold()
+            for job in wave:
+                submit(job)
+            t0 = time.perf_counter()
+            self.held.release()
+            wait_all(self.store, len(wave), nap=0.002, last=self.store.io_threads)
+            seconds += time.perf_counter() - t0
+        return seconds
 
-    def put(self) -> None:
+    def put(self) -> float | None:
         self.round += 1
-        self._jobs(JobKind.PUT)
+        seconds = self._jobs(JobKind.PUT)
         self.store.take_events()
+        return seconds
 
-    def get(self) -> None:
-        self._jobs(JobKind.GET)
+    def get(self) -> float | None:
+        return self._jobs(JobKind.GET)
 
 
-def timed(fn: Callable[[], None], nbytes: int) -> float:
+Pass = Callable[[], "float | None"]
+"""One pass of a side; it returns the seconds it measured itself, or ``None`` (wall time)."""
+
+
+def timed(fn: Pass, nbytes: int) -> float:
     """GB/s of one call, started with no dirty page cache left by the previous one (either
     side's writeback would otherwise throttle whichever runs next)."""
     os.sync()
     t0 = time.perf_counter()
-    fn()
-    return nbytes / (time.perf_counter() - t0) / 1e9
+    seconds = fn()
+    return nbytes / (time.perf_counter() - t0 if seconds is None else seconds) / 1e9
 
 
-def alternating(
-    pairs: dict[str, tuple[Callable[[], None], Callable[[], None]]], nbytes: int, repeats: int
-) -> dict[str, float]:
+def alternating(pairs: dict[str, tuple[Pass, Pass]], nbytes: int, repeats: int) -> dict[str, float]:
     """Median GB/s of raw and tier for each direction, and the median of the per-repeat
     ratios: raw and tier alternate, so both see the same machine (page cache, other load).
     One untimed round first: the first pass of either side pays one-time costs (page cache
@@ -165,17 +221,18 @@ def local_files(
             os.preadv(fd, [host.slot_view(i % host.num_slots)], i * chunk)
 
     root = os.path.join(directory, "tier")
+    tier_host = HeldHost(host) if args.queued else host
     if nixl:
         from kvhex.adapters.storage.nixl import NixlTierStore
 
         store: FsspecTierStore = NixlTierStore(
-            host, root, capacity_bytes=total + total // 8, io_threads=threads
+            tier_host, root, capacity_bytes=total + total // 8, io_threads=threads
         )
     else:
         store = FsspecTierStore(
-            host, root, capacity_bytes=total + total // 8, name="files", io_threads=threads
+            tier_host, root, capacity_bytes=total + total // 8, name="files", io_threads=threads
         )
-    run = TierRun(store, host, n, batch, repeats + 1)  # the untimed round and the timed ones
+    run = TierRun(store, tier_host, n, batch, repeats + 1)  # the untimed round and the timed ones
     try:
         return alternating({"put": (raw_put, run.put), "get": (raw_get, run.get)}, total, repeats)
     finally:
@@ -211,8 +268,9 @@ def s3(chunk: int, args: argparse.Namespace) -> dict[str, float]:
     host = MemoryHostBuffer(min(n, 256), chunk)
     for s in range(host.num_slots):
         host.slot_view(s)[:] = os.urandom(16) * (chunk // 16)
+    tier_host = HeldHost(host) if args.queued else host
     store = FsspecTierStore(
-        host,
+        tier_host,
         f"s3://{bucket}/kv",
         capacity_bytes=2 * total,
         name="s3",
@@ -242,7 +300,7 @@ def s3(chunk: int, args: argparse.Namespace) -> dict[str, float]:
     def raw_get() -> None:
         list(pool.map(get_batch, starts))
 
-    run = TierRun(store, host, n, batch, repeats + 1)  # the untimed round and the timed ones
+    run = TierRun(store, tier_host, n, batch, repeats + 1)  # the untimed round and the timed ones
     try:
         return alternating({"put": (raw_put, run.put), "get": (raw_get, run.get)}, total, repeats)
     finally:
@@ -270,6 +328,12 @@ def main() -> None:
     )
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument(
+        "--queued",
+        action="store_true",
+        help="time the tier's data path alone: each pass's jobs queued before its IO threads "
+        "start, the bench's thread polling only every 2 ms meanwhile",
+    )
+    parser.add_argument(
         "--dir", default=None, help="where the file tier writes (default: a temp dir)"
     )
     add_chunk_sizes(parser)
@@ -279,6 +343,8 @@ def main() -> None:
     if max(args.chunk_kib) > smallest * MiB:
         parser.error(f"--chunk-kib: a chunk larger than the {smallest} MiB a pass moves")
     report = Report("tiers", args)
+    if args.queued:
+        report.say("each pass's jobs queued before the IO threads start (--queued)")
     head = f"{'tier':<8}{'chunk':>8}{'put GB/s':>10}{'raw':>8}{'ratio':>7}"
     report.say(head + f"{'get GB/s':>10}{'raw':>8}{'ratio':>7}")
     for chunk in args.chunk_kib:
@@ -289,25 +355,25 @@ def main() -> None:
                 r = local_files(directory, chunk, args)
             finally:
                 shutil.rmtree(directory, ignore_errors=True)
-            _emit(report, "files", label, r)
+            _emit(report, "files", label, r, args.queued)
         if "nixl" in tiers:
             directory = tempfile.mkdtemp(prefix="kvhex-bench-", dir=args.dir)
             try:
                 r = local_files(directory, chunk, args, nixl=True)
             finally:
                 shutil.rmtree(directory, ignore_errors=True)
-            _emit(report, "nixl", label, r)
+            _emit(report, "nixl", label, r, args.queued)
         if "s3" in tiers:
             r = s3(chunk, args)
-            _emit(report, "s3", label, r)
+            _emit(report, "s3", label, r, args.queued)
     report.finish()
 
 
-def _emit(report: Report, name: str, label: str, r: dict[str, float]) -> None:
+def _emit(report: Report, name: str, label: str, r: dict[str, float], queued: bool) -> None:
     report.say(_row(name, label, r))
     for direction in ("put", "get"):
         report.row(
-            f"{name} {label} {direction}",
+            f"{name} {label} {direction}" + (" queued" if queued else ""),
             r[f"tier {direction}"],
             r[f"raw {direction}"],
             unit="GB/s",
