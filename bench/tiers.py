@@ -85,7 +85,8 @@ class HeldHost:
         self._open.set()
 
     def slot_view(self, slot: int) -> memoryview:
-        self._open.wait()
+        if not self._open.is_set():  # no lock taken once released
+            self._open.wait()
         return self.host.slot_view(slot)
 
     def hold(self) -> None:
