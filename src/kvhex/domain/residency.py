@@ -297,7 +297,7 @@ class Residency:
         mine = [k for k in reservation.owned if pending.get(k) is reservation]
         for key in mine:
             del pending[key]
-        if len(written) >= len(mine) and all(k in written for k in mine):
+        if len(written) >= len(mine) and set(written).issuperset(mine):
             stored = mine  # the common case: everything written
         else:
             stored = [k for k in mine if k in written]

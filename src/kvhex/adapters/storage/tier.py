@@ -145,14 +145,22 @@ class BlockTierStore:
         if reservation is None:
             self._start(job, None, _done(([], [], "the job does not fit the tier's capacity")))
             return
-        slots = dict(zip(job.keys, job.slots, strict=True))
-        writes = [(k, slots[k]) for k in reservation.owned]
-        checks = [(k, slots[k]) for k in reservation.verify.serials] if reservation.verify else []
+        owned = reservation.owned
+        if len(owned) == len(job.keys):  # every key new here, none twice: the job's own order
+            writes = list(zip(job.keys, job.slots, strict=True))
+            checks = []
+        else:
+            slots = dict(zip(job.keys, job.slots, strict=True))
+            writes = [(k, slots[k]) for k in owned]
+            verify = reservation.verify
+            checks = [(k, slots[k]) for k in verify.serials] if verify else []
         leaving = self._leaving
         # the removal of a key this job writes, and any removal whose room it may need
-        waits = {leaving[k] for k, _ in writes if k in leaving} | self._removals.keys()
+        waits = list(self._removals)
+        if leaving and not leaving.keys().isdisjoint(owned):
+            waits += {leaving[k] for k in owned if k in leaving}
         victims = list(reservation.victims)
-        future = self._pool.submit(self._do_put, writes, checks, victims, list(waits))
+        future = self._pool.submit(self._do_put, writes, checks, victims, waits)
         self._remove_later(victims, future)
         self._start(job, reservation, future)
 
@@ -286,13 +294,12 @@ class BlockTierStore:
         job = entry.job
         seconds = time.perf_counter() - entry.started
         outcome: Any
-        if future.cancelled():
+        try:
+            outcome = future.result()
+        except cf.CancelledError:
             outcome = TierUnavailable("closed", tier=self._name)
-        else:
-            try:
-                outcome = future.result()
-            except Exception as exc:  # a bug, a lost store, an IO error outside per-key handling
-                outcome = exc
+        except Exception as exc:  # a bug, a lost store, an IO error outside per-key handling
+            outcome = exc
         if isinstance(outcome, StoreLost):
             self._lost_everything(outcome)
         if job.kind is JobKind.PUT:
