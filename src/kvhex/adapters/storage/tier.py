@@ -26,10 +26,8 @@ run on the scheduler thread only; IO runs on a pool of ``io_threads`` and never 
 
 from __future__ import annotations
 
-import concurrent.futures as cf
 import os
 import time
-from collections import deque
 from collections.abc import Sequence
 from typing import Any
 
@@ -43,6 +41,7 @@ from kvhex.adapters.storage.block_io import (
     safe_error,
 )
 from kvhex.adapters.storage.format import Verdict
+from kvhex.adapters.storage.io_pool import IoPool, IoTask, TaskCancelled
 from kvhex.domain.events import TierEvent
 from kvhex.domain.jobs import JobKind, JobResult, TierJob
 from kvhex.domain.keys import OffloadKey
@@ -55,7 +54,7 @@ __all__ = ["BlockTierStore", "default_io_threads"]
 
 log = structlog.get_logger(__name__)
 
-_Future = cf.Future[Any]
+_PutOutcome = tuple[list[OffloadKey], list[OffloadKey], str | None]
 
 
 class _Job:
@@ -103,16 +102,16 @@ class BlockTierStore:
             io.close()
             raise
         self._exclusive = io.exclusive
-        self._jobs: dict[_Future, _Job] = {}
-        # removals in flight: a finished future is queued by its done callback, so poll costs
-        # what finished, not what is in flight
-        self._removals: dict[_Future, list[OffloadKey]] = {}
-        self._leaving: dict[OffloadKey, _Future] = {}  # key -> the removal of its block
-        self._finished: deque[_Future] = deque()
+        self._jobs: dict[IoTask, _Job] = {}
+        # removals in flight; finished tasks queue themselves in the pool, so poll costs what
+        # finished, not what is in flight
+        self._removals: dict[IoTask, list[OffloadKey]] = {}
+        self._leaving: dict[OffloadKey, IoTask] = {}  # key -> the removal of its block
         self.corrupt_blocks = 0
         self.lost_blocks = 0
         self.io_errors = 0
-        self._pool = cf.ThreadPoolExecutor(io_threads, thread_name_prefix=f"kvhex-{self._name}")
+        self._pool = IoPool(io_threads, f"kvhex-{self._name}")
+        self._finished = self._pool.finished
         self._closed = False
         try:
             inventory = io.inventory()
@@ -143,7 +142,8 @@ class BlockTierStore:
         self._check_open(job, JobKind.PUT)
         reservation = self._index.reserve(job.keys, job.ctx, verify=not self._exclusive)
         if reservation is None:
-            self._start(job, None, _done(([], [], "the job does not fit the tier's capacity")))
+            unfit: _PutOutcome = ([], [], "the job does not fit the tier's capacity")
+            self._start(job, None, self._pool.completed(unfit))
             return
         owned = reservation.owned
         if len(owned) == len(job.keys):  # every key new here, none twice: the job's own order
@@ -160,9 +160,9 @@ class BlockTierStore:
         if leaving and not leaving.keys().isdisjoint(owned):
             waits += {leaving[k] for k in owned if k in leaving}
         victims = list(reservation.victims)
-        future = self._pool.submit(self._do_put, writes, checks, victims, waits)
-        self._remove_later(victims, future)
-        self._start(job, reservation, future)
+        task = self._pool.submit(self._do_put, writes, checks, victims, waits)
+        self._remove_later(victims, task)
+        self._start(job, reservation, task)
 
     def submit_get(self, job: TierJob) -> None:
         """Read and verify ``job.keys`` into ``job.slots`` on an IO thread."""
@@ -191,13 +191,13 @@ class BlockTierStore:
         results = []
         finished = self._finished
         while finished:
-            future = finished.popleft()
-            removed = self._removals.pop(future, None)
+            task = finished.popleft()
+            removed = self._removals.pop(task, None)
             if removed is not None:
-                self._removed(future, removed)
-            entry = self._jobs.pop(future, None)
+                self._removed(task, removed)
+            entry = self._jobs.pop(task, None)
             if entry is not None:
-                results.append(self._apply(entry, future))
+                results.append(self._apply(entry, task))
         return results
 
     def delete(self, keys: Sequence[OffloadKey]) -> None:
@@ -209,7 +209,7 @@ class BlockTierStore:
 
     def drain(self) -> None:
         """Block until every submitted job and removal finished."""
-        cf.wait([*self._jobs, *self._removals])
+        self._pool.wait([*self._jobs, *self._removals])
 
     def close(self) -> None:
         """Finish running IO, cancel queued jobs (reported failed by the next poll, their room
@@ -217,7 +217,7 @@ class BlockTierStore:
         if self._closed:
             return
         self._closed = True
-        self._pool.shutdown(wait=True, cancel_futures=True)
+        self._pool.close()
         self._io.close()
 
     def take_events(self) -> list[TierEvent]:
@@ -262,53 +262,53 @@ class BlockTierStore:
         announced yet) or removes it (announced gone)."""
         return key not in self._leaving and not self._index.is_pending(key)
 
-    def _start(self, job: TierJob, state: Reservation | Snapshot | None, future: _Future) -> None:
-        self._jobs[future] = _Job(job, state)
-        future.add_done_callback(self._finished.append)
+    def _start(self, job: TierJob, state: Reservation | Snapshot | None, task: IoTask) -> None:
+        self._jobs[task] = _Job(job, state)
 
-    def _remove_later(self, keys: list[OffloadKey], future: _Future | None = None) -> None:
-        """``keys`` left the index; their blocks are removed by ``future`` (a put removing
+    def _remove_later(self, keys: list[OffloadKey], task: IoTask | None = None) -> None:
+        """``keys`` left the index; their blocks are removed by ``task`` (a put removing
         its victims) or by a removal of their own."""
         if not keys:
             return
-        if future is None:
-            future = self._pool.submit(self._io.remove_many, keys)
-            self._removals[future] = keys
-            future.add_done_callback(self._finished.append)
+        if task is None:
+            task = self._pool.submit(self._io.remove_many, keys)
+            self._removals[task] = keys
         for key in keys:
-            self._leaving[key] = future
+            self._leaving[key] = task
 
-    def _removed(self, future: _Future, keys: list[OffloadKey]) -> None:
-        self._gone(future, keys)
-        if not future.cancelled() and (exc := future.exception()) is not None:
+    def _removed(self, task: IoTask, keys: list[OffloadKey]) -> None:
+        self._gone(task, keys)
+        exc = task.error
+        if exc is not None and not isinstance(exc, TaskCancelled):
             self.io_errors += 1
             log.warning("tier_remove_failed", tier=self._name, error=safe_error(exc))
 
-    def _gone(self, future: _Future, keys: Sequence[OffloadKey]) -> None:
+    def _gone(self, task: IoTask, keys: Sequence[OffloadKey]) -> None:
         leaving = self._leaving
         for key in keys:
-            if leaving.get(key) is future:
+            if leaving.get(key) is task:
                 del leaving[key]
 
-    def _apply(self, entry: _Job, future: _Future) -> JobResult:
+    def _apply(self, entry: _Job, task: IoTask) -> JobResult:
         job = entry.job
         seconds = time.perf_counter() - entry.started
-        outcome: Any
-        try:
-            outcome = future.result()
-        except cf.CancelledError:
+        outcome: Any = task.value
+        exc = task.error
+        if isinstance(exc, TaskCancelled):
             outcome = TierUnavailable("closed", tier=self._name)
-        except Exception as exc:  # a bug, a lost store, an IO error outside per-key handling
-            outcome = exc
+        elif exc is not None:
+            if not isinstance(exc, Exception):  # KeyboardInterrupt, SystemExit: not ours
+                raise exc
+            outcome = exc  # a bug, a lost store, an IO error outside per-key handling
         if isinstance(outcome, StoreLost):
             self._lost_everything(outcome)
         if job.kind is JobKind.PUT:
-            return self._apply_put(entry, future, outcome, seconds)
+            return self._apply_put(entry, task, outcome, seconds)
         if job.kind is JobKind.GET:
             return self._apply_get(entry, outcome, seconds)
         return self._apply_probe(entry, outcome, seconds)
 
-    def _apply_put(self, entry: _Job, future: _Future, outcome: Any, seconds: float) -> JobResult:
+    def _apply_put(self, entry: _Job, task: IoTask, outcome: Any, seconds: float) -> JobResult:
         job, reservation = entry.job, entry.state
         written: list[OffloadKey]
         lost: list[OffloadKey]
@@ -318,7 +318,7 @@ class BlockTierStore:
         else:
             written, lost, error = outcome
         if isinstance(reservation, Reservation):
-            self._gone(future, reservation.victims)
+            self._gone(task, reservation.victims)
             strays = self._index.commit(reservation, set(written), set(lost))
             self.lost_blocks += len(lost)
             again = strays
@@ -387,9 +387,9 @@ class BlockTierStore:
         writes: list[tuple[OffloadKey, int]],
         checks: list[tuple[OffloadKey, int]],
         victims: list[OffloadKey],
-        waits: list[_Future],
-    ) -> tuple[list[OffloadKey], list[OffloadKey], str | None]:
-        cf.wait(waits)  # removals submitted earlier: they already hold a thread or are done
+        waits: list[IoTask],
+    ) -> _PutOutcome:
+        self._pool.wait(waits)  # removals submitted earlier: they hold a thread or are done
         lost: list[OffloadKey] = []
         if checks:
             there = self._io.exists_many([k for k, _ in checks])
@@ -422,12 +422,6 @@ class BlockTierStore:
         self, known: frozenset[OffloadKey], asked: list[OffloadKey]
     ) -> frozenset[OffloadKey]:
         return known | frozenset(self._io.exists_many(asked)) if asked else known
-
-
-def _done(value: object) -> _Future:
-    future: _Future = cf.Future()
-    future.set_result(value)
-    return future
 
 
 def _describe(exc: BaseException) -> str:

@@ -9,6 +9,7 @@ import signal
 import stat
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -18,7 +19,7 @@ from kvhex.adapters.memory import MemoryHostBuffer
 from kvhex.adapters.storage.files.index import read_table, table_bytes
 from kvhex.adapters.storage.format import HEADER_AREA, namespace_digest
 from kvhex.adapters.storage.fsspec import FsspecTierStore
-from kvhex.domain import JobKind, Removed, Stored
+from kvhex.domain import JobId, JobKind, Removed, Stored, TierJob
 from kvhex.errors import TierUnavailable
 from tests.adapters.jobs import key, run
 
@@ -390,3 +391,55 @@ def test_io_threads_default_to_the_cores_on_local_files_and_are_checked(
     chosen.close()
     with pytest.raises(ValueError, match="io_threads must be >= 1, got 0"):
         FsspecTierStore(host, str(tmp_path), capacity_bytes=1 << 20, io_threads=0)
+
+
+class GatedHost:
+    """A host buffer whose slot views wait at a gate: the tier's IO threads stop at their
+    first block while jobs queue behind them."""
+
+    def __init__(self, host: MemoryHostBuffer) -> None:
+        self.host = host
+        self.num_slots = host.num_slots
+        self.slot_bytes = host.slot_bytes
+        self.gate = threading.Event()
+        self.reached = threading.Event()
+
+    def slot_view(self, slot: int) -> memoryview:
+        self.reached.set()
+        self.gate.wait()
+        return self.host.slot_view(slot)
+
+
+def test_closing_fails_the_queued_jobs_and_finishes_the_running_one(
+    tmp_path: Path, host: MemoryHostBuffer
+) -> None:
+    gated = GatedHost(host)
+    store = FsspecTierStore(gated, str(tmp_path), capacity_bytes=1 << 20, io_threads=1)
+    fill(host, range(4), 3)
+    jobs = [
+        TierJob(JobId(901), JobKind.PUT, (key(1), key(2)), (0, 1)),
+        TierJob(JobId(902), JobKind.PUT, (key(3), key(4)), (2, 3)),
+        TierJob(JobId(903), JobKind.GET, (key(1),), (0,)),
+    ]
+    store.submit_put(jobs[0])
+    assert gated.reached.wait(5)  # the one IO thread holds the first put
+    store.submit_put(jobs[1])
+    store.submit_get(jobs[2])
+    closer = threading.Thread(target=store.close, daemon=True)
+    closer.start()
+    closer.join(0.2)
+    assert closer.is_alive()  # the running put finishes first
+    gated.gate.set()
+    closer.join(5)
+    assert not closer.is_alive()
+    results = {r.job_id: r for r in store.poll()}
+    assert results[JobId(901)].success
+    for queued in (JobId(902), JobId(903)):
+        assert not results[queued].success
+        assert "closed" in (results[queued].error or "")
+    assert store.keys() == [key(1), key(2)]
+    assert store.used_bytes == 2 * (HEADER_AREA + SLOT)  # the failed put's room is released
+    stored = [k for e in store.take_events() if isinstance(e, Stored) for k in e.keys]
+    assert stored == [key(1), key(2)]
+    with pytest.raises(TierUnavailable, match="closed"):
+        store.submit_put(TierJob(JobId(904), JobKind.PUT, (key(5),), (0,)))
