@@ -182,14 +182,19 @@ class ObjectMover(Protocol):
         ...
 
 
-def write_fully(fd: int, parts: Sequence[bytes | memoryview], offset: int) -> None:
+def write_fully(
+    fd: int, parts: Sequence[bytes | memoryview], offset: int, nbytes: int = -1
+) -> None:
     """Write ``parts`` back to back at ``offset``: one ``pwritev``, finished piece by piece
-    after a short write.
+    after a short write. ``nbytes``, the parts' total when the caller knows it, spares a
+    whole write the look at each part.
 
     Raises:
         OSError: the write failed (a full disk, an IO error).
     """
     done = os.pwritev(fd, parts, offset)
+    if done == nbytes:
+        return
     for part in parts:
         view = memoryview(part).cast("B")
         if done >= len(view):

@@ -31,6 +31,7 @@ __all__ = [
     "HEADER_AREA",
     "LAYOUT_VERSION",
     "MAGIC",
+    "MAX_HEADER_KEY_BYTES",
     "Header",
     "Verdict",
     "checksum",
@@ -52,10 +53,13 @@ HEADER_AREA = 4096
 """Bytes before the payload (header, key, zero padding): a page-aligned payload is written
 4x faster through the page cache than one at an odd offset (docs/tiers.md), and suits
 NIXL and direct IO."""
+MAX_HEADER_KEY_BYTES = HEADER_AREA - HEADER.size
+_HEADER_AREA = struct.Struct(f"{HEADER.format}{MAX_HEADER_KEY_BYTES}s")  # key zero-padded
 CONFIG = "config.json"
 _GIL_FREE_BYTES = 1 << 16
-"""From this size on, payloads are hashed by xxhash's streaming API, which releases the GIL
-(the one-shot functions hold it): other IO threads and the scheduler run meanwhile."""
+"""From this size on, payloads are hashed by an ``xxh3_64`` object, whose constructor and
+``update`` release the GIL (the one-shot functions hold it): other IO threads and the
+scheduler run meanwhile."""
 
 
 class Verdict(enum.Enum):
@@ -93,15 +97,18 @@ def checksum(payload: memoryview | bytes) -> int:
     """XXH3-64 of ``payload``; large payloads are hashed without holding the GIL."""
     if len(payload) < _GIL_FREE_BYTES:
         return xxhash.xxh3_64_intdigest(payload)
-    hasher = xxhash.xxh3_64()
-    hasher.update(payload)
-    return hasher.intdigest()
+    return xxhash.xxh3_64(payload).intdigest()  # hashed in the constructor, GIL released
 
 
 def pack_header(key: OffloadKey, payload: memoryview) -> bytes:
-    """The header area of a block holding ``payload`` under ``key``."""
-    header = HEADER.pack(MAGIC, len(payload), checksum(payload), len(key))
-    return (header + key).ljust(HEADER_AREA, b"\0")
+    """The header area of a block holding ``payload`` under ``key``.
+
+    Raises:
+        ValueError: the key does not fit the header area.
+    """
+    if len(key) > MAX_HEADER_KEY_BYTES:
+        raise ValueError(f"a {len(key)}-byte key does not fit a block's header area")
+    return _HEADER_AREA.pack(MAGIC, len(payload), checksum(payload), len(key), key)
 
 
 def parse_header(data: bytes) -> Header | None:

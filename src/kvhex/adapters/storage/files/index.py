@@ -67,6 +67,8 @@ _RECORD = struct.Struct(">HHId")  # key length, 0, CRC-32 of stored time and key
 MAX_KEY_BYTES = RECORD_BYTES - _RECORD.size
 """The longest key a slot record holds (vLLM's keys: 12 to 36 bytes)."""
 _EMPTY = bytes(RECORD_BYTES)
+_WHOLE_RECORD = struct.Struct(f">HHId{MAX_KEY_BYTES}s")  # the key zero-padded to the end
+_STORED = struct.Struct(">d")
 
 Record = tuple[int, OffloadKey, float]
 """One block a table names: slot, key, the time it was stored."""
@@ -92,11 +94,11 @@ def pack_record(key: OffloadKey, stored: float) -> bytes:
     Raises:
         ValueError: the key is longer than :data:`MAX_KEY_BYTES`.
     """
-    if len(key) > MAX_KEY_BYTES:
-        raise ValueError(f"a {len(key)}-byte key is longer than a slot record holds")
-    tail = struct.pack(">d", stored) + key
-    head = _RECORD.pack(len(key), 0, zlib.crc32(tail, len(key)), stored)
-    return (head + key).ljust(RECORD_BYTES, b"\0")
+    length = len(key)
+    if length > MAX_KEY_BYTES:
+        raise ValueError(f"a {length}-byte key is longer than a slot record holds")
+    crc = zlib.crc32(_STORED.pack(stored) + key, length)
+    return _WHOLE_RECORD.pack(length, 0, crc, stored, key)
 
 
 def _records(data: bytes, first: int) -> list[Record]:

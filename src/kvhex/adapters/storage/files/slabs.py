@@ -480,12 +480,14 @@ class PosixSlotMover:
         errors: list[str | None] = [None] * len(blocks)
         for run in _runs([(fd, off, len(p)) for fd, off, _, p in blocks], _WRITE_RUN_BYTES):
             parts: list[bytes | memoryview] = []
+            nbytes = 0
             for i in run:
                 _, _, key, payload = blocks[i]
                 parts += (pack_header(key, payload), payload)
+                nbytes += HEADER_AREA + len(payload)
             fd, offset, _, _ = blocks[run[0]]
             try:
-                write_fully(fd, parts, offset)
+                write_fully(fd, parts, offset, nbytes)
             except OSError as exc:
                 for i in run:
                     errors[i] = oserror(exc)
