@@ -49,16 +49,6 @@ class IoTask:
         self.error: BaseException | None = None
         self.done = False
 
-    def outcome(self) -> Any:
-        """The call's return value.
-
-        Raises:
-            BaseException: what the call raised, or :class:`TaskCancelled`.
-        """
-        if self.error is not None:
-            raise self.error
-        return self.value
-
 
 class IoPool:
     """``threads`` daemon threads running submitted tasks in submission order. A pool left

@@ -111,7 +111,6 @@ class BlockTierStore:
         self.lost_blocks = 0
         self.io_errors = 0
         self._pool = IoPool(io_threads, f"kvhex-{self._name}")
-        self._finished = self._pool.finished
         self._closed = False
         try:
             inventory = io.inventory()
@@ -189,7 +188,7 @@ class BlockTierStore:
     def poll(self) -> list[JobResult]:
         """Results of finished jobs, each once; applies them to the residency and events."""
         results = []
-        finished = self._finished
+        finished = self._pool.finished
         while finished:
             task = finished.popleft()
             removed = self._removals.pop(task, None)
