@@ -15,6 +15,7 @@ a baseline measured in the same run:
 
     python bench/tiers.py [--total-mib 2048] [--tiers files,nixl,s3] [--dir PATH]
     python bench/tiers.py --tiers files --chunk-kib 256 --queued   # the data path alone
+    python bench/tiers.py --tiers files --python-io   # the file tier's Python data path
     python bench/tiers.py --quick --json   # tiny sizes; rows as JSON (see _report.py)
 
 By default the bench's thread plays the scheduler: it submits a pass's jobs as fast as it
@@ -23,6 +24,8 @@ threads. ``--queued`` measures the tier's own data path instead: every job of a 
 wave of gets, which the host buffer's slots bound) is submitted while the IO threads are held
 at their first slot view, and the time runs from their release until the last job is
 collected, polling every 2 ms until as many jobs as IO threads are left, then every 0.1 ms.
+The file tier runs its native data path where it was built (the report says which);
+``--python-io`` runs its Python one.
 
 A plain script, never a timed test. One untimed round warms both sides up (page cache, the
 tier's slab files, the server's connections); then raw and tier passes alternate, each
@@ -47,6 +50,7 @@ from typing import Any
 from _report import Report, add_chunk_sizes, parse
 from _s3 import start_loopback_s3
 from kvhex.adapters.memory import MemoryHostBuffer
+from kvhex.adapters.storage.files.slabs import PosixSlotMover
 from kvhex.adapters.storage.fsspec import FsspecTierStore
 from kvhex.domain import JobId, JobKind, TierJob, make_offload_key
 
@@ -231,7 +235,12 @@ def local_files(
         )
     else:
         store = FsspecTierStore(
-            tier_host, root, capacity_bytes=total + total // 8, name="files", io_threads=threads
+            tier_host,
+            root,
+            capacity_bytes=total + total // 8,
+            name="files",
+            io_threads=threads,
+            native_io=False if args.python_io else None,
         )
     run = TierRun(store, tier_host, n, batch, repeats + 1)  # the untimed round and the timed ones
     try:
@@ -335,6 +344,11 @@ def main() -> None:
         "start, the bench's thread polling only every 2 ms meanwhile",
     )
     parser.add_argument(
+        "--python-io",
+        action="store_true",
+        help="the file tier moves blocks in Python, not on its native data path",
+    )
+    parser.add_argument(
         "--dir", default=None, help="where the file tier writes (default: a temp dir)"
     )
     add_chunk_sizes(parser)
@@ -344,6 +358,9 @@ def main() -> None:
     if max(args.chunk_kib) > smallest * MiB:
         parser.error(f"--chunk-kib: a chunk larger than the {smallest} MiB a pass moves")
     report = Report("tiers", args)
+    if "files" in tiers:
+        native = PosixSlotMover(native=False if args.python_io else None).native
+        report.say(f"files: the {'native' if native else 'Python'} data path")
     if args.queued:
         report.say("each pass's jobs queued before the IO threads start (--queued)")
     head = f"{'tier':<8}{'chunk':>8}{'put GB/s':>10}{'raw':>8}{'ratio':>7}"

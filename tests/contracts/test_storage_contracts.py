@@ -88,6 +88,22 @@ class TestFileTier(_Local, TierStoreContract, CrashContract):
         return FsspecTierStore(host, str(self.root), capacity_bytes=capacity, namespace=NS)
 
 
+class TestFileTierPythonIo(TestFileTier):
+    """The file tier moving its blocks in Python (``native_io=False``); ``TestFileTier`` runs
+    the native data path wherever it was built."""
+
+    def make_store(self, host: HostBuffer) -> TierStore:
+        return FsspecTierStore(
+            host, str(self.root), capacity_bytes=1 << 24, namespace=NS, native_io=False
+        )
+
+    def make_sized_store(self, host: HostBuffer, capacity_blocks: int) -> TierStore:
+        capacity = blocks_bytes(host, capacity_blocks)
+        return FsspecTierStore(
+            host, str(self.root), capacity_bytes=capacity, namespace=NS, native_io=False
+        )
+
+
 class TestS3Tier(_Slow, _Bucket, TierStoreContract, CrashContract):
     shared_storage = True
 

@@ -19,6 +19,7 @@ Also here: the few IO helpers every backend shares (:func:`write_fully`, :func:`
 
 from __future__ import annotations
 
+import errno
 import os
 from collections.abc import Sequence
 from typing import NamedTuple, Protocol, runtime_checkable
@@ -151,9 +152,12 @@ class SlotMover(Protocol):
         its checksum fails and nothing names it)."""
         ...
 
-    def read_slots(self, blocks: Sequence[tuple[int, int, memoryview]]) -> list[bytes]:
+    def read_slots(
+        self, blocks: Sequence[tuple[int, int, memoryview]]
+    ) -> list[tuple[bytes, int | None]]:
         """Read each (fd, offset, view): the payload into the view, and return the header
-        area (``b""`` when the block is cut short)."""
+        area (``b""`` when the block is cut short) with the payload's checksum where the
+        mover took it while the bytes were at hand (``None``: the caller takes it)."""
         ...
 
     def close(self) -> None:
@@ -190,7 +194,7 @@ def write_fully(
     whole write the look at each part.
 
     Raises:
-        OSError: the write failed (a full disk, an IO error).
+        OSError: the write failed (a full disk, an IO error, a write that made no progress).
     """
     done = os.pwritev(fd, parts, offset)
     if done == nbytes:
@@ -204,6 +208,8 @@ def write_fully(
         view, offset, done = view[done:], offset + done, 0
         while view:
             written = os.pwrite(fd, view, offset)
+            if written == 0:  # no progress (never spin): as the native data path reports it
+                raise OSError(errno.EIO, os.strerror(errno.EIO))
             offset += written
             view = view[written:]
 

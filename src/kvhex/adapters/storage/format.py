@@ -27,6 +27,7 @@ from kvhex.domain.keys import OffloadKey
 
 __all__ = [
     "CONFIG",
+    "DIGEST_OFFSET",
     "HEADER",
     "HEADER_AREA",
     "LAYOUT_VERSION",
@@ -54,6 +55,9 @@ HEADER_AREA = 4096
 4x faster through the page cache than one at an odd offset (docs/tiers.md), and suits
 NIXL and direct IO."""
 MAX_HEADER_KEY_BYTES = HEADER_AREA - HEADER.size
+DIGEST_OFFSET = struct.calcsize(">8sQ")
+"""Where a header holds the payload's checksum (big-endian): the native data path packs a
+header with it zeroed and fills it in (:mod:`kvhex.adapters.storage.files.native`)."""
 _HEADER_AREA = struct.Struct(f"{HEADER.format}{MAX_HEADER_KEY_BYTES}s")  # key zero-padded
 CONFIG = "config.json"
 _GIL_FREE_BYTES = 1 << 16
@@ -100,15 +104,19 @@ def checksum(payload: memoryview | bytes) -> int:
     return xxhash.xxh3_64(payload).intdigest()  # hashed in the constructor, GIL released
 
 
-def pack_header(key: OffloadKey, payload: memoryview) -> bytes:
-    """The header area of a block holding ``payload`` under ``key``.
+def pack_header(key: OffloadKey, payload: memoryview, digest: int | None = None) -> bytes:
+    """The header area of a block holding ``payload`` under ``key``, with ``digest`` as the
+    payload's checksum (by default computed here; the native data path passes 0 and fills it
+    in at :data:`DIGEST_OFFSET`).
 
     Raises:
         ValueError: the key does not fit the header area.
     """
     if len(key) > MAX_HEADER_KEY_BYTES:
         raise ValueError(f"a {len(key)}-byte key does not fit a block's header area")
-    return _HEADER_AREA.pack(MAGIC, len(payload), checksum(payload), len(key), key)
+    if digest is None:
+        digest = checksum(payload)
+    return _HEADER_AREA.pack(MAGIC, len(payload), digest, len(key), key)
 
 
 def parse_header(data: bytes) -> Header | None:
@@ -120,9 +128,12 @@ def parse_header(data: bytes) -> Header | None:
     return Header(magic, length, digest, bytes(data[HEADER.size : HEADER.size + key_len]))
 
 
-def verify(header: bytes | None, key: OffloadKey, payload: memoryview) -> Verdict:
+def verify(
+    header: bytes | None, key: OffloadKey, payload: memoryview, digest: int | None = None
+) -> Verdict:
     """What a read that returned ``header`` (``None``: no block there; ``b""``: cut short)
-    and filled ``payload`` found under ``key``."""
+    and filled ``payload`` found under ``key``; ``digest`` is the payload's checksum when the
+    reader took it (by default taken here)."""
     if header is None:
         return Verdict.MISSING
     parsed = parse_header(header)
@@ -132,18 +143,21 @@ def verify(header: bytes | None, key: OffloadKey, payload: memoryview) -> Verdic
         return Verdict.MISSING  # the slot holds another block: a stale place
     if parsed.magic == bytes(len(MAGIC)):
         return Verdict.MISSING  # an unmarked (freed) slot
-    return Verdict.OK if header_matches(header, key, payload) else Verdict.CORRUPT
+    return Verdict.OK if header_matches(header, key, payload, digest) else Verdict.CORRUPT
 
 
-def header_matches(header: bytes, key: OffloadKey, payload: memoryview) -> bool:
-    """True when ``header`` describes ``payload`` stored under ``key``, checksum included."""
+def header_matches(
+    header: bytes, key: OffloadKey, payload: memoryview, digest: int | None = None
+) -> bool:
+    """True when ``header`` describes ``payload`` stored under ``key``, checksum included
+    (``digest``: the payload's, when the caller has it)."""
     if len(header) != HEADER_AREA:
         return False
-    magic, length, digest, key_len = HEADER.unpack_from(header)
+    magic, length, stored, key_len = HEADER.unpack_from(header)
     return (
         magic == MAGIC
         and length == len(payload)
         and key_len == len(key)
         and header[HEADER.size : HEADER.size + key_len] == key
-        and checksum(payload) == digest
+        and (checksum(payload) if digest is None else digest) == stored
     )

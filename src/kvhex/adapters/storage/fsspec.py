@@ -23,7 +23,8 @@ from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
 from kvhex.adapters.storage.block_io import BlockIo, NamespaceConflict
-from kvhex.adapters.storage.files.slabs import SlabIo
+from kvhex.adapters.storage.files.native import NativeUnavailable
+from kvhex.adapters.storage.files.slabs import PosixSlotMover, SlabIo
 from kvhex.adapters.storage.format import HEADER_AREA, namespace_config, namespace_digest
 from kvhex.adapters.storage.object_errors import public_url, start_up_error
 from kvhex.adapters.storage.objects import ObjectIo
@@ -64,10 +65,16 @@ class FsspecTierStore(BlockTierStore):
             threads only contend), and 8 on object stores (requests wait on the network).
         fsync: flush each job's blocks to the device before publishing them (local files
             only; without it a power loss can lose recent blocks, never tear one).
+        native_io: local files only: ``True`` requires the native data path (a job's blocks
+            checksummed and written with the GIL released once; built at install where a C
+            compiler is found), ``False`` moves blocks in Python; by default the native path
+            where it was built (:mod:`kvhex.adapters.storage.files.native`).
         storage_options: passed to fsspec (credentials never reach logs or events).
 
     Raises:
-        ValueError: ``capacity_bytes`` holds no block, or ``io_threads`` is below 1.
+        ValueError: ``capacity_bytes`` holds no block, ``io_threads`` is below 1, or
+            ``native_io`` is ``True`` where the native data path cannot run (or on an object
+            store).
         TierUnavailable: the root cannot be created, written or listed (on an object store
             the message names the cause: no such bucket, an unknown access key id, a wrong
             secret, access denied, an endpoint down), or holds a namespace whose recorded
@@ -87,18 +94,31 @@ class FsspecTierStore(BlockTierStore):
         io_threads: int | None = None,
         fsync: bool = False,
         storage_options: Mapping[str, Any] | None = None,
+        native_io: bool | None = None,
     ) -> None:
         block = check_sizes(host, capacity_bytes, io_threads)
         fs, root, local = open_fs(url, storage_options, name)
         threads = io_threads or default_io_threads(local)
+        mover = None
+        if local:
+            try:
+                mover = PosixSlotMover(native=native_io)
+            except NativeUnavailable as exc:
+                raise ValueError(f"native_io=True: {exc}") from exc
+        elif native_io:
+            raise ValueError("native_io=True: only local roots have a native data path")
 
         def make_io(base: str, config: bytes) -> BlockIo:
-            if local:
+            if mover is not None:
                 slots = capacity_bytes // block
-                return SlabIo(base, block, slots, config=config, fsync=fsync, stripes=threads)
+                return SlabIo(
+                    base, block, slots, config=config, fsync=fsync, stripes=threads, mover=mover
+                )
             return ObjectIo(fs, base, config=config)
 
         io = open_namespace(make_io, root, namespace, host, url=url, tier=name)
+        self.native_io = mover is not None and mover.native
+        """Whether the native data path moves this tier's blocks."""
         self.namespace = recorded_namespace(namespace, host)
         self.root = io_root(root, self.namespace)
         super().__init__(

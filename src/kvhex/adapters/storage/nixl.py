@@ -266,11 +266,13 @@ class NixlSlotMover:
             errors.extend(None if ok else "NIXL POSIX write failed" for _ in batch)
         return errors
 
-    def read_slots(self, blocks: Sequence[tuple[int, int, memoryview]]) -> list[bytes]:
+    def read_slots(
+        self, blocks: Sequence[tuple[int, int, memoryview]]
+    ) -> list[tuple[bytes, int | None]]:
         """The header area of each block (``b""`` when cut short), its payload into the
-        view."""
+        view; the caller checksums the payloads."""
         nixl = self.agents.get()
-        out = [b""] * len(blocks)
+        out: list[tuple[bytes, int | None]] = [(b"", None)] * len(blocks)
         sizes: dict[int, int] = {}
         todo: list[tuple[int, int, int, memoryview]] = []  # index, fd, offset, view
         for i, (fd, offset, view) in enumerate(blocks):
@@ -291,7 +293,7 @@ class NixlSlotMover:
             ok = nixl.transfer("READ", local, "FILE", remote)
             for j, (i, _, _, _) in enumerate(batch):
                 if ok:  # one copy out of the staging area
-                    out[i] = bytes(staged[j * HEADER_AREA : (j + 1) * HEADER_AREA])
+                    out[i] = (bytes(staged[j * HEADER_AREA : (j + 1) * HEADER_AREA]), None)
         return out
 
     def close(self) -> None:

@@ -94,6 +94,7 @@ class Recording(PosixSlotMover):
     """A mover that records the files each job writes and runs a hook first."""
 
     def __init__(self, before: object = None) -> None:
+        super().__init__()
         self.files: list[set[int]] = []
         self.before = before
 

@@ -40,6 +40,7 @@ import threading
 import time
 import uuid
 from collections.abc import Iterable, Iterator, Sequence
+from types import ModuleType
 
 import structlog
 
@@ -51,6 +52,7 @@ from kvhex.adapters.storage.block_io import (
     oserror,
     write_fully,
 )
+from kvhex.adapters.storage.files import native as native_io
 from kvhex.adapters.storage.files.index import (
     KNOWN_ENTRIES,
     MAX_KEY_BYTES,
@@ -67,6 +69,7 @@ from kvhex.adapters.storage.files.index import (
 )
 from kvhex.adapters.storage.format import (
     CONFIG,
+    DIGEST_OFFSET,
     HEADER_AREA,
     MAGIC,
     Verdict,
@@ -416,11 +419,11 @@ class SlabIo:
         """Read and verify each key's block (this instance's or another's)."""
         places = self._locate([key for key, _ in items])
         located = [(i, place) for i, place in enumerate(places) if place is not None]
-        headers = self.mover.read_slots([(fd, off, items[i][1]) for i, (fd, off) in located])
+        read = self.mover.read_slots([(fd, off, items[i][1]) for i, (fd, off) in located])
         verdicts = [Verdict.MISSING] * len(items)
-        for (i, _), header in zip(located, headers, strict=True):
+        for (i, _), (header, digest) in zip(located, read, strict=True):
             key, view = items[i]
-            verdicts[i] = verify(header, key, view)
+            verdicts[i] = verify(header, key, view, digest)
         return verdicts
 
     def remove_many(self, keys: Sequence[OffloadKey]) -> None:
@@ -471,12 +474,42 @@ class PosixSlotMover:
     and payload of every block back to back) per run of adjacent slots of one file, up to
     2 MiB, and one ``preadv`` per run up to 512 blocks. The checksums of a run are computed
     just before its write: the pass leaves each payload in the CPU cache for the kernel's
-    copy."""
+    copy.
+
+    Two paths do this, byte for byte alike: the native one (:mod:`.native`), which does a
+    whole call with the GIL released once, and Python's, which releases it per checksum and
+    per run.
+
+    Args:
+        native: ``True`` requires the native path, ``False`` takes Python's, ``None`` (the
+            default) the native one where it was built.
+
+    Raises:
+        NativeUnavailable: ``native=True`` where the native path cannot run (the message
+            says why).
+    """
+
+    def __init__(self, native: bool | None = None) -> None:
+        self._native: ModuleType | None = None
+        if native is not False:
+            try:
+                self._native = native_io.load()
+            except native_io.NativeUnavailable as exc:
+                if native:
+                    raise
+                log.info("native_io_unavailable", reason=str(exc))
+
+    @property
+    def native(self) -> bool:
+        """Whether the native path moves this mover's blocks."""
+        return self._native is not None
 
     def write_slots(
         self, blocks: Sequence[tuple[int, int, OffloadKey, memoryview]]
     ) -> list[str | None]:
         """Write each (fd, offset, key, payload); a run cut short fails all its blocks."""
+        if self._native is not None:
+            return self._write_native(self._native, blocks)
         errors: list[str | None] = [None] * len(blocks)
         for run in _runs([(fd, off, len(p)) for fd, off, _, p in blocks], _WRITE_RUN_BYTES):
             parts: list[bytes | memoryview] = []
@@ -493,18 +526,40 @@ class PosixSlotMover:
                     errors[i] = oserror(exc)
         return errors
 
-    def read_slots(self, blocks: Sequence[tuple[int, int, memoryview]]) -> list[bytes]:
-        """The header area of each block, its payload read into the view; ``b""`` when the
-        slot is cut short."""
-        out = [b""] * len(blocks)
+    @staticmethod
+    def _write_native(
+        io: ModuleType, blocks: Sequence[tuple[int, int, OffloadKey, memoryview]]
+    ) -> list[str | None]:
+        codes = io.write_blocks(
+            [(fd, off, bytearray(pack_header(k, p, 0)), p) for fd, off, k, p in blocks],
+            DIGEST_OFFSET,
+            _WRITE_RUN_BYTES,
+        )
+        return [oserror(OSError(code, os.strerror(code))) if code else None for code in codes]
+
+    def read_slots(
+        self, blocks: Sequence[tuple[int, int, memoryview]]
+    ) -> list[tuple[bytes, int | None]]:
+        """The header area of each block (``b""`` when the slot is cut short), its payload
+        read into the view, and on the native path the payload's checksum."""
+        headers = [bytearray(HEADER_AREA) for _ in blocks]
+        if self._native is not None:
+            digests = self._native.read_blocks(
+                [(fd, off, h, view) for (fd, off, view), h in zip(blocks, headers, strict=True)]
+            )
+            return [
+                (b"", None) if d is None else (bytes(h), d)
+                for h, d in zip(headers, digests, strict=True)
+            ]
+        out: list[tuple[bytes, int | None]] = [(b"", None)] * len(blocks)
         for run in _runs([(fd, off, len(v)) for fd, off, v in blocks]):
-            headers = [bytearray(HEADER_AREA) for _ in run]
-            parts = [part for i, h in zip(run, headers, strict=True) for part in (h, blocks[i][2])]
+            parts = [part for i in run for part in (headers[i], blocks[i][2])]
             fd, offset, _ = blocks[run[0]]
             got = os.preadv(fd, parts, offset)
-            for i, header in zip(run, headers, strict=True):
+            for i in run:
                 size = HEADER_AREA + len(blocks[i][2])
-                out[i] = bytes(header) if got >= size else b""
+                if got >= size:
+                    out[i] = (bytes(headers[i]), None)
                 got -= size
         return out
 

@@ -1,0 +1,16 @@
+"""Types of the native data path (``_slotio.c``; see :mod:`kvhex.adapters.storage.files.native`)."""
+
+from collections.abc import Sequence
+
+_Buffer = bytes | bytearray | memoryview
+_Block = tuple[int, int, bytearray | memoryview, _Buffer]
+
+API_VERSION: int
+MAX_RUN_BLOCKS: int
+
+def write_blocks(blocks: Sequence[_Block], digest_offset: int, max_run_bytes: int) -> list[int]: ...
+def read_blocks(
+    blocks: Sequence[tuple[int, int, bytearray | memoryview, memoryview]],
+) -> list[int | None]: ...
+def checksum(data: _Buffer) -> int: ...
+def bind_hasher(path: str) -> None: ...

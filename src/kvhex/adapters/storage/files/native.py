@@ -1,0 +1,71 @@
+"""The slab mover's native data path, where it was built.
+
+``_slotio`` (``_slotio.c``, compiled at install by ``hatch_build.py`` when a C compiler and
+Python's headers are there) checksums and writes a job's blocks, or reads and checksums them,
+with the GIL released once per call: the Python path releases it for every block's checksum
+and every run's write, and each time takes it back from the scheduler thread and the other IO
+threads. Both paths write the same bytes (tested byte for byte), and a tier may use either.
+
+The checksum is the xxhash package's own ``XXH3_64bits`` (bound from its extension), checked
+here against :func:`xxhash.xxh3_64_intdigest` before first use: a library that disagrees, or
+does not export it, leaves the Python path in place.
+"""
+
+from __future__ import annotations
+
+import functools
+import random
+from types import ModuleType
+
+import xxhash
+
+__all__ = ["NativeUnavailable", "load"]
+
+_API_VERSION = 1
+_CHECK_LENGTHS = (0, 1, 3, 16, 17, 128, 129, 240, 241, 1024, 4096 + 13, 1 << 20)
+"""Lengths the bound checksum is compared at: each of XXH3's code paths."""
+
+
+class NativeUnavailable(Exception):
+    """The native data path cannot run here; the message says why and what to do."""
+
+
+@functools.cache
+def _load() -> tuple[ModuleType | None, str]:
+    try:
+        from kvhex.adapters.storage.files import _slotio
+    except ImportError as exc:
+        return None, (
+            f"not built ({exc}); reinstall kvhex where a C compiler and Python's headers are "
+            "found (KVHEX_NATIVE=required makes a failed build an error)"
+        )
+    if _slotio.API_VERSION != _API_VERSION:
+        return None, (
+            f"the built module is version {_slotio.API_VERSION}, this code expects "
+            f"{_API_VERSION}: reinstall kvhex to rebuild it"
+        )
+    library = getattr(getattr(xxhash, "_xxhash", None), "__file__", None)
+    if library is None:
+        return None, "the xxhash package has no compiled extension to take XXH3_64bits from"
+    try:
+        _slotio.bind_hasher(library)
+    except OSError as exc:
+        return None, f"XXH3_64bits not found in the xxhash package ({exc})"
+    sample = random.Random(0).randbytes(max(_CHECK_LENGTHS))
+    for length in _CHECK_LENGTHS:
+        data = sample[:length]
+        if _slotio.checksum(data) != xxhash.xxh3_64_intdigest(data):
+            return None, f"the xxhash package's XXH3_64bits disagrees with xxhash at {length} bytes"
+    return _slotio, ""
+
+
+def load() -> ModuleType:
+    """The native data path, its checksum bound and checked.
+
+    Raises:
+        NativeUnavailable: it was not built, is stale, or its checksum cannot be bound.
+    """
+    module, why = _load()
+    if module is None:
+        raise NativeUnavailable(f"the native data path is unavailable: {why}")
+    return module
