@@ -34,6 +34,20 @@ needs_native = pytest.mark.skipif(bool(WHY_NOT), reason=WHY_NOT)
 Block = tuple[int, int, OffloadKey, memoryview]
 
 
+def run_script(script: str, *args: str, **env: str) -> str:
+    """What ``script`` printed, run by this interpreter from the repository's root."""
+    done = subprocess.run(
+        [sys.executable, "-c", script, *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+        cwd=Path(__file__).parents[4],
+        env={**os.environ, **env},
+    )
+    return done.stdout
+
+
 @pytest.fixture
 def reload_native() -> Iterator[None]:
     """A fresh load before and after the test (what it monkeypatches is not cached)."""
@@ -209,15 +223,7 @@ def test_a_write_cut_short_by_the_file_size_limit_fails_its_run_alike(
     for flag in ("0", "1"):
         path = tmp_path / f"f{flag}"
         args = [str(path), flag, str(payload), str(count), str(run_bytes), str(limit)]
-        done = subprocess.run(
-            [sys.executable, "-c", SHORT_WRITE, *args],
-            capture_output=True,
-            text=True,
-            timeout=60,
-            check=True,
-            cwd=Path(__file__).parents[4],
-        )
-        outputs.append((done.stdout.strip(), path.read_bytes()))
+        outputs.append((run_script(SHORT_WRITE, *args).strip(), path.read_bytes()))
     assert outputs[0] == outputs[1]  # the same blocks failed, the same bytes on disk
     assert outputs[0][0] == f"{expected} {limit}"  # written up to the limit, then refused
 
@@ -311,16 +317,7 @@ BUILD = textwrap.dedent(
 
 
 def build_wheel(tmp_path: Path, **env: str) -> str:
-    done = subprocess.run(
-        [sys.executable, "-c", BUILD, str(tmp_path)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=True,
-        cwd=Path(__file__).parents[4],
-        env={**os.environ, **env},
-    )
-    return done.stdout
+    return run_script(BUILD, str(tmp_path), **env)
 
 
 @pytest.mark.slow
@@ -342,7 +339,4 @@ def test_the_build_compiles_the_native_path_or_says_why(tmp_path: Path) -> None:
     assert not list(Path(native.__file__).parent.glob("_slotio*.so"))  # no stale build left
     assert "True" in build_wheel(tmp_path / "again", KVHEX_NATIVE="auto")  # built in place again
     loads = "from kvhex.adapters.storage.files import native; print(native.load().API_VERSION)"
-    done = subprocess.run(
-        [sys.executable, "-c", loads], capture_output=True, text=True, timeout=60, check=True
-    )
-    assert done.stdout.strip() == "1"
+    assert run_script(loads).strip() == "1"
