@@ -267,6 +267,7 @@ def test_a_checksum_that_disagrees_with_xxhash_leaves_the_python_path(
         FsspecTierStore(host, str(tmp_path / "t"), capacity_bytes=1 << 20, native_io=True)
     assert not (tmp_path / "t").exists()  # nothing half-started
     store = FsspecTierStore(host, str(tmp_path / "t"), capacity_bytes=1 << 20)
+    assert not store.native_io
     store.close()
 
 

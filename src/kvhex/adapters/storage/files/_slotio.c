@@ -25,7 +25,7 @@
 #include <sys/uio.h>
 
 #define API_VERSION 1
-#define MAX_RUN_BLOCKS 512 /* two iovecs a block: IOV_MAX (1024) */
+#define MAX_RUN_BLOCKS 512 /* two iovecs a block: IOV_MAX (1024); slabs.py's _RUN_BLOCKS */
 
 typedef uint64_t (*hash_fn)(const void *, size_t);
 static hash_fn hasher = NULL;
@@ -343,6 +343,5 @@ static struct PyModuleDef module = {
 PyMODINIT_FUNC PyInit__slotio(void) {
     PyObject *m = PyModule_Create(&module);
     if (m != NULL && PyModule_AddIntConstant(m, "API_VERSION", API_VERSION) < 0) Py_CLEAR(m);
-    if (m != NULL && PyModule_AddIntConstant(m, "MAX_RUN_BLOCKS", MAX_RUN_BLOCKS) < 0) Py_CLEAR(m);
     return m;
 }

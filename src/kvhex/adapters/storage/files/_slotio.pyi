@@ -6,7 +6,6 @@ _Buffer = bytes | bytearray | memoryview
 _Block = tuple[int, int, bytearray | memoryview, _Buffer]
 
 API_VERSION: int
-MAX_RUN_BLOCKS: int
 
 def write_blocks(blocks: Sequence[_Block], digest_offset: int, max_run_bytes: int) -> list[int]: ...
 def read_blocks(
