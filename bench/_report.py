@@ -6,11 +6,15 @@ stderr, and stdout carries exactly one JSON document, which ``kvhex bench`` read
 scraping text::
 
     {"bench": "tiers", "rows": [{"case": "files 2048 KiB put", "kvhex": 2.56, "baseline": 4.9,
-      "ratio": 0.52, "unit": "GB/s", "baseline_name": "raw os.pwrite", "better": "higher"}]}
+      "ratio": 0.52, "ratio_low": 0.47, "ratio_high": 0.58, "unit": "GB/s",
+      "baseline_name": "raw os.pwrite", "better": "higher"}]}
 
 ``ratio`` is kvhex / baseline as the script computed it (some scripts take the median of
 per-pass ratios, not the ratio of medians); ``baseline`` and ``ratio`` are ``null`` when the
-script had no baseline for that figure (vLLM not installed, say). ``--quick`` replaces every
+script had no baseline for that figure (vLLM not installed, say). ``ratio_low`` and
+``ratio_high`` bound that median of per-pass ratios with 95% confidence
+(:func:`median_interval`); they are ``null`` where a script gives no interval or ran too few
+passes for one. ``--quick`` replaces every
 size flag still at its default with the tiny size of the script's ``QUICK`` table (what the
 smoke tests run): a check that the script works, not a measurement.
 """
@@ -21,9 +25,13 @@ import argparse
 import json
 import math
 import os
+import statistics
 import sys
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, TextIO
+
+CONFIDENCE = 0.95
+"""How sure :func:`median_interval` is that the median lies inside its interval."""
 
 
 def parse(parser: argparse.ArgumentParser, quick: Mapping[str, Any]) -> argparse.Namespace:
@@ -67,6 +75,48 @@ def _chunk_sizes(text: str) -> list[int]:
     return sizes
 
 
+def median_interval(
+    values: Sequence[float], confidence: float = CONFIDENCE
+) -> tuple[float, float] | None:
+    """An interval that holds the median of the distribution ``values`` sample with at least
+    ``confidence``, assuming nothing of its shape: the order statistics ``x(k)`` and
+    ``x(n + 1 - k)`` with ``k`` the largest for which fewer than ``k`` of ``n`` values fall
+    below the median with probability at most ``(1 - confidence) / 2`` (a binomial of one
+    half). ``None`` when ``n`` is too small for any (fewer than 6 values at 95%)."""
+    n = len(values)
+    tail = (1 - confidence) / 2
+    k, below = 0, 0.0  # below: P(fewer than k + 1 of n fall below the median)
+    while k < n // 2:
+        below += math.comb(n, k) / 2**n
+        if below > tail:
+            break
+        k += 1
+    if k == 0:
+        return None
+    ordered = sorted(values)
+    return ordered[k - 1], ordered[n - k]
+
+
+def summarize(samples: Mapping[str, Sequence[float]]) -> dict[str, float]:
+    """The median of each series; and for each series whose name holds ``ratio``, its
+    :func:`median_interval` as ``"<name> low"`` and ``"<name> high"`` (NaN when there is
+    none)."""
+    out: dict[str, float] = {}
+    for name, values in samples.items():
+        out[name] = statistics.median(values)
+        if "ratio" in name:
+            interval = median_interval(values)
+            out[f"{name} low"], out[f"{name} high"] = interval or (math.nan, math.nan)
+    return out
+
+
+def interval_text(low: float | None, high: float | None) -> str:
+    """``low-high`` to two places, or ``-`` where there is no interval."""
+    if low is None or high is None or math.isnan(low) or math.isnan(high):
+        return "-"
+    return f"{low:.2f}-{high:.2f}"
+
+
 def _reserve_stdout() -> TextIO:
     """The original stdout, kept for the JSON document, with file descriptor 1 pointed at
     stderr: log lines (structlog prints to stdout) and native libraries that write to fd 1
@@ -106,8 +156,10 @@ class Report:
         baseline_name: str,
         better: str = "lower",
         ratio: float | None = None,
+        interval: tuple[float | None, float | None] = (None, None),
     ) -> None:
-        """Record one figure beside its baseline (``ratio`` defaults to kvhex / baseline)."""
+        """Record one figure beside its baseline (``ratio`` defaults to kvhex / baseline;
+        ``interval`` bounds a median ratio, :func:`median_interval`)."""
         if ratio is None and baseline:
             ratio = kvhex / baseline
         self.rows.append(
@@ -116,6 +168,8 @@ class Report:
                 "kvhex": _number(kvhex),
                 "baseline": _number(baseline),
                 "ratio": _number(ratio),
+                "ratio_low": _number(interval[0]),
+                "ratio_high": _number(interval[1]),
                 "unit": unit,
                 "baseline_name": baseline_name,
                 "better": better,

@@ -47,13 +47,12 @@ import argparse
 import hashlib
 import importlib
 import os
-import statistics
 import sys
 import time
 from collections.abc import Callable
 from typing import Any
 
-from _report import Report, add_chunk_sizes, parse
+from _report import Report, add_chunk_sizes, interval_text, parse, summarize
 from _s3 import start_loopback_s3
 from kvhex.adapters.memory import MemoryHostBuffer
 from kvhex.adapters.storage.s3_direct import REQUESTS_IN_FLIGHT
@@ -370,7 +369,7 @@ def one_size(
                         ratio = rate / got["vllm"]
                         rates.setdefault(f"{side} ratio {direction}", []).append(ratio)
             clean()
-        return {name: statistics.median(values) for name, values in rates.items()}
+        return summarize(rates)
     finally:
         for close in reversed(closers):
             close()
@@ -426,8 +425,8 @@ def main() -> None:
             f"  {NAMES['nixl']}: {t} IO threads, a job at a time each, one NIXL OBJ agent each "
             "(OBJ backend threads: NIXL's default)"
         )
-    head = f"{'tier':<6}{'chunk':>9}{'put GB/s':>10}{'vllm':>8}{'ratio':>7}"
-    report.say(head + f"{'get GB/s':>10}{'vllm':>8}{'ratio':>7}")
+    head = f"{'tier':<6}{'chunk':>9}{'put GB/s':>10}{'vllm':>8}{'ratio':>7}{'95% CI':>11}"
+    report.say(head + f"{'get GB/s':>10}{'vllm':>8}{'ratio':>7}{'95% CI':>11}")
     for chunk in args.chunk_kib:
         label = f"{chunk // 1024} KiB"
         r = one_size(chunk, sides, args, with_vllm)
@@ -442,6 +441,10 @@ def main() -> None:
                     baseline_name=BASELINE,
                     better="higher",
                     ratio=r.get(f"{side} ratio {direction}"),
+                    interval=(
+                        r.get(f"{side} ratio {direction} low"),
+                        r.get(f"{side} ratio {direction} high"),
+                    ),
                 )
     report.finish()
 
@@ -451,8 +454,14 @@ def _line(side: str, label: str, r: dict[str, float]) -> str:
         value = r.get(name)
         return f"{'-':>{width}}" if value is None else f"{value:>{width}.{digits}f}"
 
+    def interval(name: str) -> str:
+        return f"{interval_text(r.get(name + ' low'), r.get(name + ' high')):>11}"
+
     return f"{side:<6}{label:>9}" + "".join(
-        fmt(f"{side} {d}", 10, 3) + fmt(f"vllm {d}", 8, 3) + fmt(f"{side} ratio {d}", 7, 2)
+        fmt(f"{side} {d}", 10, 3)
+        + fmt(f"vllm {d}", 8, 3)
+        + fmt(f"{side} ratio {d}", 7, 2)
+        + interval(f"{side} ratio {d}")
         for d in ("put", "get")
     )
 

@@ -40,14 +40,13 @@ import argparse
 import hashlib
 import os
 import shutil
-import statistics
 import tempfile
 import threading
 import time
 from collections.abc import Callable
 from typing import Any
 
-from _report import Report, add_chunk_sizes, parse
+from _report import Report, add_chunk_sizes, interval_text, parse, summarize
 from _s3 import start_loopback_s3
 from kvhex.adapters.memory import MemoryHostBuffer
 from kvhex.adapters.storage.files.slabs import PosixSlotMover
@@ -201,7 +200,7 @@ def alternating(pairs: dict[str, tuple[Pass, Pass]], nbytes: int, repeats: int) 
             rates.setdefault(f"raw {direction}", []).append(r)
             rates.setdefault(f"tier {direction}", []).append(t)
             rates.setdefault(f"ratio {direction}", []).append(t / r)
-    return {name: statistics.median(values) for name, values in rates.items()}
+    return summarize(rates)
 
 
 def local_files(
@@ -363,8 +362,8 @@ def main() -> None:
         report.say(f"files: the {'native' if native else 'Python'} data path")
     if args.queued:
         report.say("each pass's jobs queued before the IO threads start (--queued)")
-    head = f"{'tier':<8}{'chunk':>8}{'put GB/s':>10}{'raw':>8}{'ratio':>7}"
-    report.say(head + f"{'get GB/s':>10}{'raw':>8}{'ratio':>7}")
+    head = f"{'tier':<8}{'chunk':>8}{'put GB/s':>10}{'raw':>8}{'ratio':>7}{'95% CI':>11}"
+    report.say(head + f"{'get GB/s':>10}{'raw':>8}{'ratio':>7}{'95% CI':>11}")
     for chunk in args.chunk_kib:
         label = f"{chunk // 1024} KiB"
         if "files" in tiers:
@@ -398,14 +397,16 @@ def _emit(report: Report, name: str, label: str, r: dict[str, float], queued: bo
             baseline_name=BASELINES[name],
             better="higher",
             ratio=r[f"ratio {direction}"],
+            interval=(r[f"ratio {direction} low"], r[f"ratio {direction} high"]),
         )
 
 
 def _row(name: str, label: str, r: dict[str, float]) -> str:
     return (
-        f"{name:<8}{label:>8}{r['tier put']:>10.2f}{r['raw put']:>8.2f}"
-        f"{r['ratio put']:>7.2f}{r['tier get']:>10.2f}{r['raw get']:>8.2f}"
-        f"{r['ratio get']:>7.2f}"
+        f"{name:<8}{label:>8}{r['tier put']:>10.2f}{r['raw put']:>8.2f}{r['ratio put']:>7.2f}"
+        f"{interval_text(r['ratio put low'], r['ratio put high']):>11}"
+        f"{r['tier get']:>10.2f}{r['raw get']:>8.2f}{r['ratio get']:>7.2f}"
+        f"{interval_text(r['ratio get low'], r['ratio get high']):>11}"
     )
 
 

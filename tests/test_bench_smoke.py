@@ -3,11 +3,15 @@ test: nothing here is timed)."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import math
+import random
 import subprocess
 import sys
 import time
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 
@@ -109,6 +113,74 @@ def test_tiers_bench_runs_every_tier_with_its_baseline() -> None:
 
 
 TIERS_FILES = [sys.executable, str(BENCH / "tiers.py"), "--quick", "--tiers", "files"]
+
+
+def _report_module() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("bench_report", BENCH / "_report.py")
+    assert spec is not None
+    assert spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _below(n: int, k: int) -> float:
+    """P(fewer than k of n fall below the median)."""
+    return sum(math.comb(n, i) for i in range(k)) / 2**n
+
+
+def test_median_interval_is_the_widest_order_statistics_that_keep_95_percent() -> None:
+    report = _report_module()
+    for n in range(1, 41):
+        values = [float(v) for v in random.Random(n).sample(range(1000), n)]
+        interval = report.median_interval(values)
+        if n < 6:
+            assert interval is None, n
+            continue
+        ordered = sorted(values)
+        k = ordered.index(interval[0]) + 1
+        assert interval[1] == ordered[n - k]
+        assert 1 - 2 * _below(n, k) >= 0.95, n
+        assert 1 - 2 * _below(n, k + 1) < 0.95 or k + 1 > n // 2, n  # no narrower one
+
+
+def test_median_interval_covers_the_median_as_often_as_it_claims() -> None:
+    report = _report_module()
+    rng = random.Random(7)
+    trials, covered = 4000, 0
+    for _ in range(trials):
+        sample = [rng.expovariate(1.0) for _ in range(15)]  # skewed: median ln 2
+        low, high = report.median_interval(sample)
+        covered += low <= math.log(2) <= high
+    assert 0.95 <= covered / trials <= 0.98  # 96.5% exactly, by the binomial
+
+
+def test_summarize_bounds_only_the_ratio_series() -> None:
+    report = _report_module()
+    out = report.summarize({"raw put": [1.0, 3.0, 2.0], "ratio put": [0.5] * 3 + [0.7] * 4})
+    assert out["raw put"] == 2.0
+    assert "raw put low" not in out
+    assert (out["ratio put"], out["ratio put low"], out["ratio put high"]) == (0.7, 0.5, 0.7)
+    few = report.summarize({"ratio get": [1.0, 2.0]})
+    assert math.isnan(few["ratio get low"])
+    assert math.isnan(few["ratio get high"])
+    assert report.interval_text(few["ratio get low"], few["ratio get high"]) == "-"
+    assert report.interval_text(0.871, 1.025) == "0.87-1.02"
+
+
+def test_tiers_bench_reports_the_interval_of_each_median_ratio() -> None:
+    done = subprocess.run(
+        [*TIERS_FILES, "--chunk-kib", "256", "--repeats", "6", "--json"],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=300,
+    )
+    rows = json.loads(done.stdout)["rows"]
+    assert len(rows) == 2
+    for row in rows:
+        assert row["ratio_low"] <= row["ratio"] <= row["ratio_high"], row
+    assert "95% CI" in done.stderr
 
 
 def test_tiers_bench_measures_only_the_chunk_sizes_asked_for() -> None:
@@ -249,7 +321,8 @@ def test_kvhex_bench_quick_runs_every_benchmark_into_one_table() -> None:
     done = kvhex("bench", "--quick")
     assert done.returncode == 0, done.stdout + done.stderr
     lines = done.stdout.splitlines()
-    assert lines[0].split() == ["benchmark", "case", "kvhex", "baseline", "ratio", "unit"]
+    header = ["benchmark", "case", "kvhex", "baseline", "ratio", "95%", "CI", "unit"]
+    assert lines[0].split() == header
     table = lines[1 : lines.index("")]
     benches = {line.split()[0] for line in table}
     assert benches == {"primary_tier", "tiering", "events", "tiers", "gpu_transfer"}
@@ -283,6 +356,8 @@ def test_kvhex_bench_reports_a_failing_benchmark_and_reads_rows_not_text(
             "kvhex": 2.0,
             "baseline": 4.0,
             "ratio": 0.5,
+            "ratio_low": 0.45,
+            "ratio_high": 0.625,
             "unit": "GB/s",
             "baseline_name": "raw",
             "better": "higher",
@@ -304,8 +379,8 @@ def test_kvhex_bench_reports_a_failing_benchmark_and_reads_rows_not_text(
     done = kvhex("bench", "--bench-dir", str(tmp_path), "--only", "events,tiers")
     assert done.returncode == 1
     lines = done.stdout.splitlines()
-    assert lines[1].split() == ["tiers", "c1", "2.00", "4.00", "0.50", "GB/s"]
-    assert lines[2].split() == ["tiers", "c2", "1,234", "-", "-", "B"]
+    assert lines[1].split() == ["tiers", "c1", "2.00", "4.00", "0.50", "0.45-0.62", "GB/s"]
+    assert lines[2].split() == ["tiers", "c2", "1,234", "-", "-", "-", "B"]
     assert "events: FAILED (exit status 3: boom: no such device)" in lines
     assert any(
         line.startswith("tiers (")

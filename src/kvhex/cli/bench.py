@@ -4,7 +4,8 @@ Each benchmark is a plain script of a source checkout's ``bench/`` directory (th
 installed with the package). This command runs each in a child process of the same Python
 with ``--json`` (and ``--quick`` for tiny sizes), reads the one JSON document it prints on
 stdout (``bench/_report.py`` defines it), and prints every figure beside its baseline from the
-same run: benchmark, case, kvhex figure, baseline figure, ratio (kvhex / baseline), unit.
+same run: benchmark, case, kvhex figure, baseline figure, ratio (kvhex / baseline), the 95%
+interval of a median ratio where the script gives one (``-`` otherwise), unit.
 A benchmark that fails or times out is reported and the others still run; the exit status is
 then 1.
 """
@@ -42,6 +43,8 @@ class Row:
     unit: str
     baseline_name: str
     better: str
+    ratio_low: float | None = None
+    ratio_high: float | None = None
 
 
 @attrs.frozen
@@ -157,6 +160,8 @@ def _rows(bench: str, stdout: str) -> tuple[Row, ...]:
                 unit=str(raw["unit"]),
                 baseline_name=str(raw.get("baseline_name") or ""),
                 better=str(raw.get("better") or "lower"),
+                ratio_low=_float(raw.get("ratio_low")),
+                ratio_high=_float(raw.get("ratio_high")),
             )
         )
     return tuple(rows)
@@ -211,13 +216,21 @@ def _figure(value: float | None) -> str:
 def format_table(outcomes: Sequence[Outcome]) -> list[str]:
     """The ratio table, a legend of baselines, and one line per failed benchmark."""
     rows = [row for outcome in outcomes for row in outcome.rows]
-    header = ("benchmark", "case", "kvhex", "baseline", "ratio", "unit")
+    header = ("benchmark", "case", "kvhex", "baseline", "ratio", "95% CI", "unit")
     cells = [
-        (r.bench, r.case, _figure(r.kvhex), _figure(r.baseline), _ratio(r.ratio), r.unit)
+        (
+            r.bench,
+            r.case,
+            _figure(r.kvhex),
+            _figure(r.baseline),
+            _ratio(r.ratio),
+            _interval(r.ratio_low, r.ratio_high),
+            r.unit,
+        )
         for r in rows
     ]
     widths = [max(len(c[i]) for c in [header, *cells]) for i in range(len(header))]
-    right = (False, False, True, True, True, False)
+    right = (False, False, True, True, True, True, False)
 
     def line(values: Sequence[str]) -> str:
         parts = [
@@ -248,6 +261,10 @@ def _legend(rows: Sequence[Row]) -> str:
 
 def _ratio(value: float | None) -> str:
     return "-" if value is None else f"{value:.2f}"
+
+
+def _interval(low: float | None, high: float | None) -> str:
+    return "-" if low is None or high is None else f"{low:.2f}-{high:.2f}"
 
 
 def main(args: argparse.Namespace) -> int:
