@@ -11,8 +11,10 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.kvhex-installed
 PIP := -m pip install --quiet --disable-pip-version-check
-# The file tier's native data path (hatch_build.py) is optional for users; here a failed
-# compile fails the install, so the tests always run both paths.
+# The file tier's native data path (hatch_build.py) is optional for users: `make run` builds it
+# where a C compiler is found and runs the Python path elsewhere. Everything else requires it:
+# a failed compile fails the install, and the tests fail on a .venv built without it, so they
+# always run both paths.
 export KVHEX_NATIVE := required
 NATIVE_SRC := hatch_build.py src/kvhex/adapters/storage/files/_slotio.c
 
@@ -41,6 +43,7 @@ V32_UNUSED := torchvision torchaudio torchcodec triton
 
 # kvhex's main job on its embedded default: a synthetic chat workload through torch transfers,
 # the host tier and a file tier in a temporary directory (ARGS="--json", "--help", ...).
+run: export KVHEX_NATIVE := auto
 run: $(STAMP)
 	$(BIN)/kvhex run $(ARGS)
 

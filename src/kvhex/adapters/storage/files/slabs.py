@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import functools
 import os
 import threading
 import time
@@ -81,6 +82,14 @@ from kvhex.domain.keys import OffloadKey
 __all__ = ["SLAB_BYTES", "PosixSlotMover", "SlabIo"]
 
 log = structlog.get_logger(__name__)
+
+
+@functools.cache
+def _python_path_runs(reason: str) -> None:
+    """Warn, once per process and reason, that file tiers run the Python data path: slower
+    at small chunks (docs/performance.md), so an operator should know, and why."""
+    log.warning("native_io_unavailable", reason=reason, running="the Python data path")
+
 
 SLAB_BYTES = 1 << 30
 """Largest slab file; a tier smaller than ``stripes`` of these gets ``stripes`` smaller ones."""
@@ -498,7 +507,7 @@ class PosixSlotMover:
             except native_io.NativeUnavailable as exc:
                 if native:
                     raise
-                log.info("native_io_unavailable", reason=str(exc))
+                _python_path_runs(str(exc))
 
     @property
     def native(self) -> bool:
