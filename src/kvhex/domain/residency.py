@@ -37,6 +37,7 @@ One thread at a time: a tier calls it from its scheduler thread, or under its ow
 from __future__ import annotations
 
 from collections.abc import Collection, Iterable, Iterator, Sequence
+from collections.abc import Set as AbstractSet
 
 from kvhex.domain.events import Removed, Stored, TierEvent
 from kvhex.domain.keys import OffloadKey
@@ -277,6 +278,7 @@ class Residency:
         tier deletes their blocks.
         """
         readable, pending = self._readable, self._pending
+        have = written if isinstance(written, AbstractSet) else set(written)
         removed: list[OffloadKey] = []
         strays: list[OffloadKey] = []
         rewritten: list[OffloadKey] = []
@@ -289,19 +291,19 @@ class Residency:
                 if key in same:
                     self._forget(key)
                     removed.append(key)
-                    if key in written:
+                    if key in have:
                         rewritten.append(key)
-                elif key in written and key not in readable and key not in pending:
+                elif key in have and key not in readable and key not in pending:
                     strays.append(key)
         # the job's own keys (all of them, unless a bug or a racing abort took some)
         mine = [k for k in reservation.owned if pending.get(k) is reservation]
         for key in mine:
             del pending[key]
-        if len(written) >= len(mine) and set(written).issuperset(mine):
+        if len(have) >= len(mine) and all(k in have for k in mine):
             stored = mine  # the common case: everything written
         else:
-            stored = [k for k in mine if k in written]
-            self._policy.remove([k for k in mine if k not in written])
+            stored = [k for k in mine if k in have]
+            self._policy.remove([k for k in mine if k not in have])
         if removed:
             self._events.append(Removed(tuple(removed), self.identity))
         if rewritten:
