@@ -10,20 +10,31 @@ import sys
 from collections.abc import Callable
 
 _SERVER = (
-    "import sys\n"
-    "from moto.server import ThreadedMotoServer\n"
-    "server = ThreadedMotoServer(ip_address='127.0.0.1', port=0, verbose=False)\n"
-    "server.start()\n"
-    "print(server.get_host_and_port()[1], flush=True)\n"
+    "import sys, threading, time\n"
+    "from moto.moto_server.werkzeug_app import DomainDispatcherApplication, create_backend_app\n"
+    "from werkzeug.serving import make_server\n"
+    "latency = float(sys.argv[1])\n"
+    "app = DomainDispatcherApplication(create_backend_app)\n"
+    "def served(environ, start_response):\n"
+    "    if latency:\n"
+    "        time.sleep(latency)  # each request's own thread: requests wait side by side\n"
+    "    return app(environ, start_response)\n"
+    "server = make_server('127.0.0.1', 0, served, threaded=True)\n"
+    "print(server.server_address[1], flush=True)\n"
+    "threading.Thread(target=server.serve_forever, daemon=True).start()\n"
     "sys.stdin.read()  # until the bench ends\n"
 )
 
 
-def start_loopback_s3() -> tuple[int, Callable[[], None]]:
-    """Start the server: its port, and the call that stops it (its stdin closes: it exits)."""
+def start_loopback_s3(latency_s: float = 0.0) -> tuple[int, Callable[[], None]]:
+    """Start the server: its port, and the call that stops it (its stdin closes: it exits).
+
+    ``latency_s`` holds every request that long before moto serves it (in the request's own
+    thread, so concurrent requests wait side by side): the time to first byte of a store that
+    is not on loopback, where throughput follows the requests a client keeps in flight."""
     os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")
     server = subprocess.Popen(
-        [sys.executable, "-c", _SERVER],
+        [sys.executable, "-c", _SERVER, repr(latency_s)],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL,

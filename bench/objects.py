@@ -18,10 +18,13 @@ get keeps at most one host buffer's worth of chunks in flight, as the managers' 
 guarantee), and is polled every millisecond. ``--io-threads`` (4 by default: vLLM's default
 for its tier) is passed to all three: vLLM's tier hands it to its one NIXL agent's OBJ
 backend as ``num_threads``; kvhex's tiers run that many IO threads (the nixl tier with one
-NIXL agent each). The report names each side's concurrency.
+NIXL agent each). The report names each side's concurrency. ``--server-latency-ms`` holds
+every request that long before the server serves it, as a store off the machine answers
+after a round trip: throughput then follows the requests each side keeps in flight.
 
     .venv-vllm/bin/python bench/objects.py [--total-mib 512] [--tiers s3,nixl] [--io-threads 4]
     .venv-vllm/bin/python bench/objects.py --quick --json   # tiny sizes; rows as JSON
+    .venv-vllm/bin/python bench/objects.py --server-latency-ms 20  # a store 20 ms away
 
 vLLM is imported from ``.venv-vllm`` (``make vllm-test`` builds it). Where vLLM is not
 importable the script says so and measures kvhex's tiers alone (rows without a baseline).
@@ -55,6 +58,7 @@ from typing import Any
 from _report import Report, add_chunk_sizes, interval_text, parse, summarize
 from _s3 import start_loopback_s3
 from kvhex.adapters.memory import MemoryHostBuffer
+from kvhex.adapters.storage.nixl import obj_backend_threads
 from kvhex.adapters.storage.s3_direct import REQUESTS_IN_FLIGHT
 from kvhex.domain import JobId, JobKind, TierJob, make_offload_key
 from kvhex.plugins import TIERS, Registry
@@ -320,7 +324,7 @@ def one_size(
     n = max(1, total // chunk)
     nbytes = n * chunk
     rows = min(n, MAX_SLOTS)
-    port, stop_server = start_loopback_s3()
+    port, stop_server = start_loopback_s3(args.server_latency_ms / 1000)
     endpoint = f"http://127.0.0.1:{port}"
     fs = s3fs.S3FileSystem(
         **ACCESS, endpoint_url=endpoint, use_listings_cache=False, skip_instance_cache=True
@@ -393,6 +397,12 @@ def main() -> None:
         help="every side's IO threads (vLLM's obj tier defaults to 4)",
     )
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument(
+        "--server-latency-ms",
+        type=_latency,
+        default=0.0,
+        help="hold every request this long before the server answers (default 0: loopback)",
+    )
     add_chunk_sizes(parser)
     args = parse(parser, QUICK)
     report = Report("objects", args)
@@ -403,9 +413,11 @@ def main() -> None:
     missing = vllm_missing()
     with_vllm = missing is None
     t, b = args.io_threads, args.batch
+    latency = args.server_latency_ms
     report.say(
         f"objects: {args.total_mib} MiB each way per pass, {b} chunks per job, "
         f"{args.repeats} passes, moto on loopback in its own process"
+        + (f", every request held {latency:g} ms before it is served" if latency else "")
     )
     if with_vllm:
         report.say(
@@ -423,7 +435,8 @@ def main() -> None:
     if "nixl" in sides:
         report.say(
             f"  {NAMES['nixl']}: {t} IO threads, a job at a time each, one NIXL OBJ agent each "
-            "(OBJ backend threads: NIXL's default)"
+            f"with {obj_backend_threads(t)} OBJ backend threads "
+            f"(up to {t * min(b, obj_backend_threads(t))} requests in flight)"
         )
     head = f"{'tier':<6}{'chunk':>9}{'put GB/s':>10}{'vllm':>8}{'ratio':>7}{'95% CI':>11}"
     report.say(head + f"{'get GB/s':>10}{'vllm':>8}{'ratio':>7}{'95% CI':>11}")
@@ -447,6 +460,16 @@ def main() -> None:
                     ),
                 )
     report.finish()
+
+
+def _latency(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of milliseconds") from None
+    if not 0 <= value <= 10_000:
+        raise argparse.ArgumentTypeError(f"{text!r}: from 0 to 10000 ms")
+    return value
 
 
 def _line(side: str, label: str, r: dict[str, float]) -> str:

@@ -254,6 +254,58 @@ def test_tiers_bench_refuses_bad_chunk_sizes_naming_the_flag(value: str, named: 
     assert named in done.stderr
 
 
+@pytest.mark.parametrize(
+    ("value", "named"), [("soon", "not a number of milliseconds"), ("-1", "from 0 to 10000 ms")]
+)
+def test_objects_bench_refuses_a_bad_server_latency_naming_the_flag(value: str, named: str) -> None:
+    done = subprocess.run(
+        [sys.executable, str(BENCH / "objects.py"), "--quick", "--server-latency-ms", value],
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=120,
+    )
+    assert done.returncode == 2
+    assert "--server-latency-ms" in done.stderr
+    assert named in done.stderr
+
+
+def test_the_bench_server_holds_each_request_side_by_side() -> None:
+    """``--server-latency-ms``: every request waits that long before moto serves it, in its
+    own thread, so requests in flight together wait together."""
+    import http.client
+    from concurrent.futures import ThreadPoolExecutor
+
+    sys.path.insert(0, str(BENCH))
+    try:
+        from _s3 import start_loopback_s3
+    finally:
+        sys.path.remove(str(BENCH))
+    hold = 0.4
+    port, stop = start_loopback_s3(hold)
+
+    def list_buckets() -> float:
+        started = time.monotonic()
+        connection = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+        connection.request("GET", "/")
+        answer = connection.getresponse()
+        answer.read()
+        connection.close()
+        assert answer.status in (200, 403)  # served (moto may want a signature)
+        return time.monotonic() - started
+
+    try:
+        assert list_buckets() >= hold
+        started = time.monotonic()
+        with ThreadPoolExecutor(4) as pool:
+            each = list(pool.map(lambda _: list_buckets(), range(4)))
+        together = time.monotonic() - started
+    finally:
+        stop()
+    assert min(each) >= hold
+    assert together < 4 * hold  # one after another would take at least 4 holds
+
+
 def test_gpu_transfer_bench_runs_on_cpu_tensors_with_its_baseline() -> None:
     out = subprocess.run(
         [

@@ -9,6 +9,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 import uuid
 from collections.abc import Iterator
 from typing import Any
@@ -77,6 +78,11 @@ class Wire:
     refused_agents: dict[str, int]
     """User agent -> the status the server answers its block GETs with (403: as a proxy that
     rejects their signature would; 503: throttled); a test may set it."""
+    held: dict[str, float] = attrs.field(factory=dict)
+    """Method -> seconds the server holds each block request of that method before serving
+    it, as a store off the machine answers after a round trip; a test may set it."""
+    peak: dict[str, int] = attrs.field(factory=dict)
+    """Method -> the most held block requests of that method the server had at once."""
 
     def block_requests(self, method: str) -> list[dict[str, str]]:
         """The headers of every ``method`` request on a block object (``*.blk``)."""
@@ -113,6 +119,10 @@ def wire_s3_server(request: pytest.FixtureRequest) -> Iterator[Wire]:
     requests: list[tuple[str, str, dict[str, str]]] = []
     keep_alive = request.param == "keep-alive"
     refused_agents: dict[str, int] = {}
+    held: dict[str, float] = {}
+    peak: dict[str, int] = {}
+    lock = threading.Lock()
+    in_flight: dict[str, int] = {}
 
     def recorder(environ: dict[str, Any], start_response: Any) -> Any:
         headers = {
@@ -123,6 +133,23 @@ def wire_s3_server(request: pytest.FixtureRequest) -> Iterator[Wire]:
         headers.setdefault("remote-port", str(environ.get("REMOTE_PORT", "")))
         path = environ.get("PATH_INFO", "")
         requests.append((environ["REQUEST_METHOD"], path, headers))
+        method = environ["REQUEST_METHOD"]
+        hold = held.get(method) if path.endswith(".blk") else None
+        if hold:
+            with lock:
+                in_flight[method] = in_flight.get(method, 0) + 1
+                peak[method] = max(peak.get(method, 0), in_flight[method])
+            try:
+                time.sleep(hold)
+                return answer(environ, start_response, headers, path)
+            finally:
+                with lock:
+                    in_flight[method] -= 1
+        return answer(environ, start_response, headers, path)
+
+    def answer(
+        environ: dict[str, Any], start_response: Any, headers: dict[str, str], path: str
+    ) -> Any:
         status = refused_agents.get(headers.get("user-agent", ""))
         if status and environ["REQUEST_METHOD"] == "GET" and path.endswith(".blk"):
             code = "SignatureDoesNotMatch" if status == 403 else "SlowDown"
@@ -180,7 +207,15 @@ def wire_s3_server(request: pytest.FixtureRequest) -> Iterator[Wire]:
     import s3fs
 
     s3fs.S3FileSystem(**s3_options(endpoint)).mkdir(bucket)
-    yield Wire(endpoint, bucket, requests, keep_alive=keep_alive, refused_agents=refused_agents)
+    yield Wire(
+        endpoint,
+        bucket,
+        requests,
+        keep_alive=keep_alive,
+        refused_agents=refused_agents,
+        held=held,
+        peak=peak,
+    )
     for server in servers:
         server.shutdown()
         server.server_close()

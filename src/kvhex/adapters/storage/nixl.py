@@ -40,12 +40,13 @@ from kvhex.adapters.storage.files.slabs import SlabIo
 from kvhex.adapters.storage.format import HEADER_AREA, pack_header
 from kvhex.adapters.storage.fsspec import check_sizes, open_fs, open_namespace
 from kvhex.adapters.storage.objects import ObjectIo
+from kvhex.adapters.storage.s3_direct import REQUESTS_IN_FLIGHT
 from kvhex.adapters.storage.tier import BlockTierStore, default_io_threads
 from kvhex.domain.keys import OffloadKey
 from kvhex.domain.tiers import Locality, Medium, TierIdentity
 from kvhex.ports.host_buffer import HostBuffer
 
-__all__ = ["NixlObjectMover", "NixlSlotMover", "NixlTierStore", "settle"]
+__all__ = ["NixlObjectMover", "NixlSlotMover", "NixlTierStore", "obj_backend_threads", "settle"]
 
 T = TypeVar("T")
 
@@ -61,6 +62,15 @@ POLL_MAX_S = 0.005
 ``POLL_MIN_S`` to ``POLL_MAX_S``: NIXL offers no blocking wait, and on a 2-vCPU VM each nap
 costs about 35 us of CPU, which naps of at most 0.2 ms made a tenth of a core per waiting
 thread (docs/performance.md)."""
+
+
+def obj_backend_threads(io_threads: int) -> int:
+    """OBJ backend threads of each IO thread's agent: together up to
+    :data:`~kvhex.adapters.storage.s3_direct.REQUESTS_IN_FLIGHT` requests in flight, as the
+    fsspec tier's own GETs, so a job's blocks are read and written side by side and a store's
+    latency is paid about once per job, not once per block (NIXL's default, half the cores,
+    is one on a 2-core machine: one request at a time per job)."""
+    return max(1, -(-REQUESTS_IN_FLIGHT // io_threads))
 
 
 def _address(view: memoryview | bytearray) -> int:
@@ -445,6 +455,8 @@ class NixlTierStore(BlockTierStore):
             }
         fs, root, local = open_fs(url, options, name)
         threads = io_threads or default_io_threads(local)
+        if obj:
+            params["num_threads"] = str(obj_backend_threads(threads))
 
         def make_io(base: str, config: bytes) -> SlabIo | ObjectIo:
             if obj:

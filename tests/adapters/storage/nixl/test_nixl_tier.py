@@ -9,7 +9,8 @@ from pathlib import Path
 
 from kvhex.adapters.memory import MemoryHostBuffer
 from kvhex.adapters.storage.format import HEADER_AREA
-from kvhex.adapters.storage.nixl import NixlTierStore
+from kvhex.adapters.storage.nixl import NixlTierStore, obj_backend_threads
+from kvhex.adapters.storage.s3_direct import REQUESTS_IN_FLIGHT
 from kvhex.domain import JobId, JobKind, Removed, Stored, TierJob
 from tests.adapters.conftest import CREDENTIALS, Wire
 from tests.adapters.jobs import key, run
@@ -117,3 +118,40 @@ def test_obj_blocks_go_without_a_transport_checksum(wire_s3_server: Wire) -> Non
     assert wire.block_requests("PUT")
     assert wire.block_requests("GET")
     assert wire.checksums() == []
+
+
+def test_obj_jobs_move_their_blocks_side_by_side(wire_s3_server: Wire) -> None:
+    """Each IO thread's agent keeps up to its share of ``REQUESTS_IN_FLIGHT`` requests going
+    (NIXL's default, half the cores, is one at a time on a 2-core machine): against a store
+    that answers each request after a delay, a job of 8 blocks on one IO thread has all 8 at
+    the server at once, both ways, and its blocks come back whole."""
+    wire = wire_s3_server
+    assert obj_backend_threads(1) == REQUESTS_IN_FLIGHT
+    assert obj_backend_threads(3) == -(-REQUESTS_IN_FLIGHT // 3)
+    assert obj_backend_threads(10 * REQUESTS_IN_FLIGHT) == 1
+    host = MemoryHostBuffer(16, SLOT)
+    for s in range(8):
+        host.slot_view(s)[:] = bytes([s + 1]) * SLOT
+    store = NixlTierStore(
+        host,
+        f"s3://{wire.bucket}/kv",
+        capacity_bytes=1 << 20,
+        namespace=NS,
+        io_threads=1,
+        endpoint_url=wire.endpoint,
+        access_key=CREDENTIALS["key"],
+        secret_key=CREDENTIALS["secret"],
+        locality=None,
+    )
+    wire.held.update(PUT=0.3, GET=0.3)
+    try:
+        assert run(store, JobKind.PUT, list(range(8))).success
+        result = run(store, JobKind.GET, list(range(8)), list(range(8, 16)))
+    finally:
+        store.close()
+    assert result.success
+    assert result.ok_keys is None  # every block read whole
+    assert [bytes(host.slot_view(8 + s)) for s in range(8)] == [
+        bytes([s + 1]) * SLOT for s in range(8)
+    ]
+    assert wire.peak == {"PUT": 8, "GET": 8}
