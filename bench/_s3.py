@@ -11,7 +11,7 @@ from collections.abc import Callable
 
 _SERVER = (
     "import sys, threading, time\n"
-    "from moto.moto_server.werkzeug_app import DomainDispatcherApplication, create_backend_app\n"
+    "from moto.server import DomainDispatcherApplication, create_backend_app\n"
     "from werkzeug.serving import make_server\n"
     "latency = float(sys.argv[1])\n"
     "app = DomainDispatcherApplication(create_backend_app)\n"

@@ -396,7 +396,12 @@ def main() -> None:
         default=4,
         help="every side's IO threads (vLLM's obj tier defaults to 4)",
     )
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=9,
+        help="timed passes (9 by default: each median ratio gets a 95%% interval from 6 on)",
+    )
     parser.add_argument(
         "--server-latency-ms",
         type=_latency,
@@ -438,8 +443,8 @@ def main() -> None:
             f"with {obj_backend_threads(t)} OBJ backend threads "
             f"(up to {t * min(b, obj_backend_threads(t))} requests in flight)"
         )
-    head = f"{'tier':<6}{'chunk':>9}{'put GB/s':>10}{'vllm':>8}{'ratio':>7}{'95% CI':>11}"
-    report.say(head + f"{'get GB/s':>10}{'vllm':>8}{'ratio':>7}{'95% CI':>11}")
+    head = f"{'tier':<6}{'chunk':>9}{'put GB/s':>10}{'vllm':>8}{'ratio':>7}{'95% CI':>12}"
+    report.say(head + f"{'get GB/s':>10}{'vllm':>8}{'ratio':>7}{'95% CI':>12}")
     for chunk in args.chunk_kib:
         label = f"{chunk // 1024} KiB"
         r = one_size(chunk, sides, args, with_vllm)
@@ -478,7 +483,7 @@ def _line(side: str, label: str, r: dict[str, float]) -> str:
         return f"{'-':>{width}}" if value is None else f"{value:>{width}.{digits}f}"
 
     def interval(name: str) -> str:
-        return f"{interval_text(r.get(name + ' low'), r.get(name + ' high')):>11}"
+        return f"{interval_text(r.get(name + ' low'), r.get(name + ' high')):>12}"
 
     return f"{side:<6}{label:>9}" + "".join(
         fmt(f"{side} {d}", 10, 3)

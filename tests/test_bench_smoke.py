@@ -3,7 +3,6 @@ test: nothing here is timed)."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import random
@@ -116,13 +115,13 @@ TIERS_FILES = [sys.executable, str(BENCH / "tiers.py"), "--quick", "--tiers", "f
 OBJECTS_QUICK = [sys.executable, str(BENCH / "objects.py"), "--quick"]
 
 
-def _report_module() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("bench_report", BENCH / "_report.py")
-    assert spec is not None
-    assert spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+@pytest.fixture
+def report(monkeypatch: pytest.MonkeyPatch) -> ModuleType:
+    """``bench/_report.py``."""
+    monkeypatch.syspath_prepend(str(BENCH))
+    import _report
+
+    return _report
 
 
 def _below(n: int, k: int) -> float:
@@ -130,8 +129,9 @@ def _below(n: int, k: int) -> float:
     return sum(math.comb(n, i) for i in range(k)) / 2**n
 
 
-def test_median_interval_is_the_widest_order_statistics_that_keep_95_percent() -> None:
-    report = _report_module()
+def test_median_interval_is_the_narrowest_order_statistics_that_keep_95_percent(
+    report: ModuleType,
+) -> None:
     for n in range(1, 41):
         values = [float(v) for v in random.Random(n).sample(range(1000), n)]
         interval = report.median_interval(values)
@@ -145,8 +145,7 @@ def test_median_interval_is_the_widest_order_statistics_that_keep_95_percent() -
         assert 1 - 2 * _below(n, k + 1) < 0.95 or k + 1 > n // 2, n  # no narrower one
 
 
-def test_median_interval_covers_the_median_as_often_as_it_claims() -> None:
-    report = _report_module()
+def test_median_interval_covers_the_median_as_often_as_it_claims(report: ModuleType) -> None:
     rng = random.Random(7)
     trials, covered = 4000, 0
     for _ in range(trials):
@@ -156,8 +155,7 @@ def test_median_interval_covers_the_median_as_often_as_it_claims() -> None:
     assert 0.95 <= covered / trials <= 0.98  # 96.5% exactly, by the binomial
 
 
-def test_summarize_bounds_only_the_ratio_series() -> None:
-    report = _report_module()
+def test_summarize_bounds_only_the_ratio_series(report: ModuleType) -> None:
     out = report.summarize({"raw put": [1.0, 3.0, 2.0], "ratio put": [0.5] * 3 + [0.7] * 4})
     assert out["raw put"] == 2.0
     assert "raw put low" not in out
@@ -263,17 +261,17 @@ def test_a_bench_refuses_a_bad_flag_naming_it(
     assert named in done.stderr
 
 
-def test_the_bench_server_holds_each_request_side_by_side() -> None:
+def test_the_bench_server_holds_each_request_side_by_side(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """``--server-latency-ms``: every request waits that long before moto serves it, in its
     own thread, so requests in flight together wait together."""
     import http.client
     from concurrent.futures import ThreadPoolExecutor
 
-    sys.path.insert(0, str(BENCH))
-    try:
-        from _s3 import start_loopback_s3
-    finally:
-        sys.path.remove(str(BENCH))
+    monkeypatch.syspath_prepend(str(BENCH))
+    from _s3 import start_loopback_s3
+
     hold = 0.4
     port, stop = start_loopback_s3(hold)
 

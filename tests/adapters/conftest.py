@@ -9,7 +9,6 @@ import os
 import socket
 import subprocess
 import sys
-import time
 import uuid
 from collections.abc import Iterator
 from typing import Any
@@ -65,6 +64,10 @@ def private_s3_server() -> Iterator[Any]:
         server.stop()
 
 
+GATHER_TIMEOUT_S = 3.0
+"""How long the wire server holds a gathered request for the others to arrive."""
+
+
 @attrs.frozen
 class Wire:
     """A loopback S3 server that records each request's method, path and headers (names in
@@ -78,11 +81,11 @@ class Wire:
     refused_agents: dict[str, int]
     """User agent -> the status the server answers its block GETs with (403: as a proxy that
     rejects their signature would; 503: throttled); a test may set it."""
-    held: dict[str, float] = attrs.field(factory=dict)
-    """Method -> seconds the server holds each block request of that method before serving
-    it, as a store off the machine answers after a round trip; a test may set it."""
+    gather: dict[str, int] = attrs.field(factory=dict)
+    """Method -> how many block requests of that method the server holds until they are
+    all in flight at once (or ``GATHER_TIMEOUT_S`` passed); a test may set it."""
     peak: dict[str, int] = attrs.field(factory=dict)
-    """Method -> the most held block requests of that method the server had at once."""
+    """Method -> the most gathered block requests of that method the server had at once."""
 
     def block_requests(self, method: str) -> list[dict[str, str]]:
         """The headers of every ``method`` request on a block object (``*.blk``)."""
@@ -119,9 +122,9 @@ def wire_s3_server(request: pytest.FixtureRequest) -> Iterator[Wire]:
     requests: list[tuple[str, str, dict[str, str]]] = []
     keep_alive = request.param == "keep-alive"
     refused_agents: dict[str, int] = {}
-    held: dict[str, float] = {}
+    gather: dict[str, int] = {}
     peak: dict[str, int] = {}
-    lock = threading.Lock()
+    arrived = threading.Condition()
     in_flight: dict[str, int] = {}
 
     def recorder(environ: dict[str, Any], start_response: Any) -> Any:
@@ -134,16 +137,17 @@ def wire_s3_server(request: pytest.FixtureRequest) -> Iterator[Wire]:
         path = environ.get("PATH_INFO", "")
         requests.append((environ["REQUEST_METHOD"], path, headers))
         method = environ["REQUEST_METHOD"]
-        hold = held.get(method) if path.endswith(".blk") else None
-        if hold:
-            with lock:
+        wanted = gather.get(method) if path.endswith(".blk") else None
+        if wanted:
+            with arrived:
                 in_flight[method] = in_flight.get(method, 0) + 1
                 peak[method] = max(peak.get(method, 0), in_flight[method])
+                arrived.notify_all()
+                arrived.wait_for(lambda: peak[method] >= wanted, timeout=GATHER_TIMEOUT_S)
             try:
-                time.sleep(hold)
                 return answer(environ, start_response, headers, path)
             finally:
-                with lock:
+                with arrived:
                     in_flight[method] -= 1
         return answer(environ, start_response, headers, path)
 
@@ -213,7 +217,7 @@ def wire_s3_server(request: pytest.FixtureRequest) -> Iterator[Wire]:
         requests,
         keep_alive=keep_alive,
         refused_agents=refused_agents,
-        held=held,
+        gather=gather,
         peak=peak,
     )
     for server in servers:

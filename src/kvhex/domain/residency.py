@@ -37,7 +37,6 @@ One thread at a time: a tier calls it from its scheduler thread, or under its ow
 from __future__ import annotations
 
 from collections.abc import Collection, Iterable, Iterator, Sequence
-from collections.abc import Set as AbstractSet
 
 from kvhex.domain.events import Removed, Stored, TierEvent
 from kvhex.domain.keys import OffloadKey
@@ -278,7 +277,7 @@ class Residency:
         tier deletes their blocks.
         """
         readable, pending = self._readable, self._pending
-        have = written if isinstance(written, AbstractSet) else set(written)
+        have = written if isinstance(written, (set, frozenset)) else set(written)
         removed: list[OffloadKey] = []
         strays: list[OffloadKey] = []
         rewritten: list[OffloadKey] = []
@@ -299,7 +298,7 @@ class Residency:
         mine = [k for k in reservation.owned if pending.get(k) is reservation]
         for key in mine:
             del pending[key]
-        if len(have) >= len(mine) and all(k in have for k in mine):
+        if len(have) >= len(mine) and have.issuperset(mine):
             stored = mine  # the common case: everything written
         else:
             stored = [k for k in mine if k in have]

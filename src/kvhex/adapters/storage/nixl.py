@@ -65,12 +65,13 @@ thread (docs/performance.md)."""
 
 
 def obj_backend_threads(io_threads: int) -> int:
-    """OBJ backend threads of each IO thread's agent: together up to
-    :data:`~kvhex.adapters.storage.s3_direct.REQUESTS_IN_FLIGHT` requests in flight, as the
-    fsspec tier's own GETs, so a job's blocks are read and written side by side and a store's
-    latency is paid about once per job, not once per block (NIXL's default, half the cores,
-    is one on a 2-core machine: one request at a time per job)."""
-    return max(1, -(-REQUESTS_IN_FLIGHT // io_threads))
+    """OBJ backend threads of each IO thread's agent: together at most
+    :data:`~kvhex.adapters.storage.s3_direct.REQUESTS_IN_FLIGHT` requests in flight (one
+    per agent at least), as the fsspec tier's own GETs, so a job's blocks are read and
+    written side by side and a store's latency is paid about once per job, not once per
+    block (NIXL's default, half the cores, is one on a 2-core machine: one request at a time
+    per job)."""
+    return max(1, REQUESTS_IN_FLIGHT // io_threads)
 
 
 def _address(view: memoryview | bytearray) -> int:

@@ -272,7 +272,7 @@ def test_a_checksum_that_disagrees_with_xxhash_leaves_the_python_path(
     monkeypatch.setattr(xxhash, "xxh3_64_intdigest", lambda data: 0)
     with pytest.raises(native.NativeUnavailable, match="disagrees with xxhash at 0 bytes"):
         native.load()
-    slabs._python_path_runs.cache_clear()
+    slabs._WARNED.clear()
     with structlog.testing.capture_logs() as said:
         assert not PosixSlotMover().native  # the default falls back, and says so
         assert not PosixSlotMover().native

@@ -121,37 +121,37 @@ def test_obj_blocks_go_without_a_transport_checksum(wire_s3_server: Wire) -> Non
 
 
 def test_obj_jobs_move_their_blocks_side_by_side(wire_s3_server: Wire) -> None:
-    """Each IO thread's agent keeps up to its share of ``REQUESTS_IN_FLIGHT`` requests going
-    (NIXL's default, half the cores, is one at a time on a 2-core machine): against a store
-    that answers each request after a delay, a job of 8 blocks on one IO thread has all 8 at
-    the server at once, both ways, and its blocks come back whole."""
+    """Each IO thread's agent keeps its share of ``REQUESTS_IN_FLIGHT`` requests going (NIXL's
+    default is half the cores: one at a time on a 2-core machine): a job of 16 blocks, on one
+    of two IO threads, has all 16 at the server at once, both ways (the server holds each
+    block request until 16 are there, or 3 s), and its blocks come back whole."""
     wire = wire_s3_server
-    assert obj_backend_threads(1) == REQUESTS_IN_FLIGHT
-    assert obj_backend_threads(3) == -(-REQUESTS_IN_FLIGHT // 3)
-    assert obj_backend_threads(10 * REQUESTS_IN_FLIGHT) == 1
-    host = MemoryHostBuffer(16, SLOT)
-    for s in range(8):
+    assert REQUESTS_IN_FLIGHT == 32
+    assert [obj_backend_threads(n) for n in (1, 3, 4, 8, 32, 33, 100)] == [32, 10, 8, 4, 1, 1, 1]
+    blocks = obj_backend_threads(2)
+    host = MemoryHostBuffer(2 * blocks, SLOT)
+    for s in range(blocks):
         host.slot_view(s)[:] = bytes([s + 1]) * SLOT
     store = NixlTierStore(
         host,
         f"s3://{wire.bucket}/kv",
         capacity_bytes=1 << 20,
         namespace=NS,
-        io_threads=1,
+        io_threads=2,
         endpoint_url=wire.endpoint,
         access_key=CREDENTIALS["key"],
         secret_key=CREDENTIALS["secret"],
         locality=None,
     )
-    wire.held.update(PUT=0.3, GET=0.3)
+    wire.gather.update(PUT=blocks, GET=blocks)
     try:
-        assert run(store, JobKind.PUT, list(range(8))).success
-        result = run(store, JobKind.GET, list(range(8)), list(range(8, 16)))
+        assert run(store, JobKind.PUT, list(range(blocks))).success
+        result = run(store, JobKind.GET, list(range(blocks)), list(range(blocks, 2 * blocks)))
     finally:
         store.close()
     assert result.success
     assert result.ok_keys is None  # every block read whole
-    assert [bytes(host.slot_view(8 + s)) for s in range(8)] == [
-        bytes([s + 1]) * SLOT for s in range(8)
+    assert [bytes(host.slot_view(blocks + s)) for s in range(blocks)] == [
+        bytes([s + 1]) * SLOT for s in range(blocks)
     ]
-    assert wire.peak == {"PUT": 8, "GET": 8}
+    assert wire.peak == {"PUT": 16, "GET": 16}

@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
-import functools
 import os
 import threading
 import time
@@ -84,10 +83,17 @@ __all__ = ["SLAB_BYTES", "PosixSlotMover", "SlabIo"]
 log = structlog.get_logger(__name__)
 
 
-@functools.cache
+_WARNED: set[str] = set()
+_WARNED_LOCK = threading.Lock()
+
+
 def _python_path_runs(reason: str) -> None:
     """Warn, once per process and reason, that file tiers run the Python data path: slower
     at small chunks (docs/performance.md), so an operator should know, and why."""
+    with _WARNED_LOCK:
+        if reason in _WARNED:
+            return
+        _WARNED.add(reason)
     log.warning("native_io_unavailable", reason=reason, running="the Python data path")
 
 
