@@ -30,6 +30,8 @@ import sys
 from collections.abc import Mapping, Sequence
 from typing import Any, TextIO
 
+from kvhex.cli._args import positive
+
 CONFIDENCE = 0.95
 """How sure :func:`median_interval` is that the median lies inside its interval."""
 
@@ -62,6 +64,17 @@ def add_chunk_sizes(parser: argparse.ArgumentParser) -> None:
         default=[2048 * 1024, 256 * 1024],
         metavar="KIB[,KIB...]",
         help="chunk sizes in KiB, each measured on its own (default: 2048,256)",
+    )
+
+
+def add_repeats(parser: argparse.ArgumentParser) -> None:
+    """Add ``--repeats``: the timed passes of a bench that alternates sides (9 by default, so
+    that each median of per-pass ratios gets its :func:`median_interval`)."""
+    parser.add_argument(
+        "--repeats",
+        type=positive(int),
+        default=9,
+        help="timed passes (9 by default: each median ratio gets a 95%% interval from 6 on)",
     )
 
 

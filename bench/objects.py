@@ -55,7 +55,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from _report import Report, add_chunk_sizes, interval_text, parse, summarize
+from _report import Report, add_chunk_sizes, add_repeats, interval_text, parse, summarize
 from _s3 import start_loopback_s3
 from kvhex.adapters.memory import MemoryHostBuffer
 from kvhex.adapters.storage.nixl import obj_backend_threads
@@ -397,18 +397,13 @@ def main() -> None:
         help="every side's IO threads (vLLM's obj tier defaults to 4)",
     )
     parser.add_argument(
-        "--repeats",
-        type=int,
-        default=9,
-        help="timed passes (9 by default: each median ratio gets a 95%% interval from 6 on)",
-    )
-    parser.add_argument(
         "--server-latency-ms",
         type=_latency,
         default=0.0,
         help="hold every request this long before the server answers (default 0: loopback)",
     )
     add_chunk_sizes(parser)
+    add_repeats(parser)
     args = parse(parser, QUICK)
     report = Report("objects", args)
     sides = [s for s in args.tiers.split(",") if s]

@@ -47,7 +47,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from _report import Report, add_chunk_sizes, interval_text, parse, summarize
+from _report import Report, add_chunk_sizes, add_repeats, interval_text, parse, summarize
 from _s3 import start_loopback_s3
 from kvhex.adapters.memory import MemoryHostBuffer
 from kvhex.adapters.storage.files.slabs import PosixSlotMover
@@ -337,12 +337,6 @@ def main() -> None:
         help="IO threads per tier (default: the tier's own; raw S3 has as many batches in flight)",
     )
     parser.add_argument(
-        "--repeats",
-        type=int,
-        default=9,
-        help="timed passes (9 by default: each median ratio gets a 95%% interval from 6 on)",
-    )
-    parser.add_argument(
         "--queued",
         action="store_true",
         help="time the tier's data path alone: each pass's jobs queued before its IO threads "
@@ -357,6 +351,7 @@ def main() -> None:
         "--dir", default=None, help="where the file tier writes (default: a temp dir)"
     )
     add_chunk_sizes(parser)
+    add_repeats(parser)
     args = parse(parser, QUICK)
     tiers = args.tiers.split(",")
     smallest = min([args.total_mib] + ([args.s3_total_mib] if "s3" in tiers else []))

@@ -244,6 +244,8 @@ def test_held_host_queues_jobs_until_released(
         (TIERS_FILES, "--chunk-kib", "16384", "larger than"),
         (OBJECTS_QUICK, "--server-latency-ms", "soon", "not a number of milliseconds"),
         (OBJECTS_QUICK, "--server-latency-ms", "-1", "from 0 to 10000 ms"),
+        (TIERS_FILES, "--repeats", "0", "must be above 0"),
+        (OBJECTS_QUICK, "--repeats", "many", "not a number"),
     ],
 )
 def test_a_bench_refuses_a_bad_flag_naming_it(

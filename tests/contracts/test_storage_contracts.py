@@ -79,29 +79,26 @@ class _Slow:
 class TestFileTier(_Local, TierStoreContract, CrashContract):
     shared_storage = True
     crash_cycles = 10
+    native_io: bool | None = None
+    """The native data path wherever it was built (the file tier's default)."""
 
     def make_store(self, host: HostBuffer) -> TierStore:
-        return FsspecTierStore(host, str(self.root), capacity_bytes=1 << 24, namespace=NS)
+        return self._store(host, 1 << 24)
 
     def make_sized_store(self, host: HostBuffer, capacity_blocks: int) -> TierStore:
-        capacity = blocks_bytes(host, capacity_blocks)
-        return FsspecTierStore(host, str(self.root), capacity_bytes=capacity, namespace=NS)
+        return self._store(host, blocks_bytes(host, capacity_blocks))
+
+    def _store(self, host: HostBuffer, capacity: int) -> TierStore:
+        return FsspecTierStore(
+            host, str(self.root), capacity_bytes=capacity, namespace=NS, native_io=self.native_io
+        )
 
 
 class TestFileTierPythonIo(TestFileTier):
-    """The file tier moving its blocks in Python (``native_io=False``); ``TestFileTier`` runs
-    the native data path wherever it was built."""
+    """The file tier moving its blocks in Python: the whole contract and crash kit on each
+    data path."""
 
-    def make_store(self, host: HostBuffer) -> TierStore:
-        return FsspecTierStore(
-            host, str(self.root), capacity_bytes=1 << 24, namespace=NS, native_io=False
-        )
-
-    def make_sized_store(self, host: HostBuffer, capacity_blocks: int) -> TierStore:
-        capacity = blocks_bytes(host, capacity_blocks)
-        return FsspecTierStore(
-            host, str(self.root), capacity_bytes=capacity, namespace=NS, native_io=False
-        )
+    native_io = False
 
 
 class TestS3Tier(_Slow, _Bucket, TierStoreContract, CrashContract):
