@@ -7,12 +7,13 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import errno
+import fcntl
 import os
 import signal
 import subprocess
 import sys
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 import pytest
@@ -191,21 +192,49 @@ def test_a_slab_cut_inside_a_run_fails_only_the_blocks_past_the_cut(
     io.close()
 
 
+def test_records_written_through_the_map_are_what_readers_see_and_close_lets_the_slab_go(
+    tmp_path: Path, host: MemoryHostBuffer
+) -> None:
+    """The table is stored through a memory map: a reader's ``pread`` sees each record as
+    soon as the job ends, and each removal as soon as it returns; closing unmaps it, so the
+    slab's ``flock`` (which the map's descriptor shares) is free for the next instance, and a
+    store after that is refused, not lost."""
+    io = open_io(tmp_path)
+    assert io.write_many(items(host, range(3))) == [None] * 3
+    assert recorded(tmp_path) == sorted(key(i) for i in range(3))
+    io.remove_many([key(1)])
+    assert recorded(tmp_path) == sorted([key(0), key(2)])
+    (path,) = slab_files(tmp_path)
+    table = next(iter(io._slabs.values())).table
+    io.close()
+    fd = os.open(path, os.O_RDWR)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # raises while the map holds it
+    finally:
+        os.close(fd)
+    with pytest.raises(OSError, match="closed"):
+        table.write([(0, b"")])
+    again = open_io(tmp_path)
+    assert read_back(again, [0, 2]) == [payload(0), payload(2)]
+    again.close()
+
+
 def test_a_failed_record_write_fails_the_job_and_frees_its_slots(
     tmp_path: Path, host: MemoryHostBuffer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The slot table cannot be written (a disk error): the job fails with the reason, no
+    """The slot table refuses a record (its map is gone): the job fails with the reason, no
     record names its blocks, and its slots are free again."""
     io = open_io(tmp_path, slots=2)
-    real = index.write_fully
+    real = index.SlotTable.write
     broken = [True]
 
-    def failing(fd: int, parts: Sequence[bytes], offset: int) -> None:
-        if broken[0] and any(parts[0]):  # setting a record (clearing one still works)
+    def failing(table: index.SlotTable, entries: Iterable[tuple[int, bytes]]) -> None:
+        entries = list(entries)
+        if broken[0] and any(record for _, record in entries):  # clearing one still works
             raise OSError(5, "Input/output error")
-        real(fd, parts, offset)
+        real(table, entries)
 
-    monkeypatch.setattr(index, "write_fully", failing)
+    monkeypatch.setattr(index.SlotTable, "write", failing)
     assert io.write_many(items(host, range(2))) == ["OSError: Input/output error"] * 2
     assert read_back(io, range(2)) == [Verdict.MISSING] * 2
     assert recorded(tmp_path) == []

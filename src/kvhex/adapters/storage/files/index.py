@@ -14,8 +14,9 @@ process killed at any point): a record is set only after its block is written, a
 before its slot is overwritten or unmarked, so a record always names a slot holding its block.
 A record torn by a power loss fails its CRC and names nothing (its block is then an orphan).
 
-Publishing a job's blocks costs one ``pwrite`` per run of adjacent slots, not a transaction
-per job: no lock is shared between the IO threads or between processes. Only the instance
+Publishing a job's blocks costs a memory store per record (:class:`SlotTable` maps the
+table), not a transaction per job: no lock is shared between the IO threads or between
+processes. Only the instance
 holding a slab's ``flock`` writes its table, and it bumps the table's generation after every
 change, so other instances (:class:`PeerTables`) re-read only the tables that changed, and of
 those only the pages that changed.
@@ -27,14 +28,15 @@ Also here: the names a local namespace directory holds (:data:`SLAB_DIR`,
 from __future__ import annotations
 
 import contextlib
+import errno
 import itertools
+import mmap
 import os
 import struct
 import threading
 import zlib
 from collections.abc import Container, Iterable, Sequence
 
-from kvhex.adapters.storage.block_io import write_fully
 from kvhex.adapters.storage.format import CONFIG
 from kvhex.domain.keys import OffloadKey
 
@@ -160,33 +162,42 @@ def read_table(fd: int) -> tuple[int, list[Record]]:
 class SlotTable:
     """The table of one slab this instance owns (and holds locked): sets and clears its
     records, then bumps its generation. Safe from several IO threads at once (they write
-    different slots' records)."""
+    different slots' records).
+
+    The table is written through a shared memory map of the file's head, not with
+    ``pwrite``: a store into the page cache takes no inode lock, where a ``pwrite`` of one
+    record waits for (and, on Linux, spins a core on) another thread's block write into the
+    same slab. What lands in the page cache, and when, is the same: every other reader
+    (peers, ``fsck``, a restart) ``pread``s the same pages, ``fdatasync`` flushes them, and a
+    killed process leaves them as written. The map covers only the table, which the slab's
+    creation preallocated, so no store into it needs a new block (no ``SIGBUS`` on a full
+    disk); truncating a live slab under its owner is the one way to break it.
+    """
 
     def __init__(self, fd: int) -> None:
+        slots, generation = _read_head(fd)
         self.fd = fd
-        self._generation = itertools.count(_read_head(fd)[1] + 1)
+        self._generation = itertools.count(generation + 1)
+        self._map = mmap.mmap(fd, table_bytes(slots))  # shared, read and write
 
     def write(self, entries: Iterable[tuple[int, bytes]]) -> None:
-        """Write each (slot, record), ``b""`` clearing one: one ``pwrite`` per run of
-        adjacent slots, then the generation.
+        """Store each (slot, record), ``b""`` clearing one, then the next generation.
 
         Raises:
-            OSError: a write failed; records before it may be written.
+            OSError: the table is closed (nothing is written).
         """
-        ordered = sorted(entries)
-        if not ordered:
-            return
-        fd = self.fd
-        first = prev = ordered[0][0]
-        run = [ordered[0][1] or _EMPTY]
-        for slot, record in ordered[1:]:
-            if slot != prev + 1:
-                write_fully(fd, (b"".join(run),), _PAGE + first * RECORD_BYTES)
-                first, run = slot, []
-            run.append(record or _EMPTY)
-            prev = slot
-        write_fully(fd, (b"".join(run),), _PAGE + first * RECORD_BYTES)
-        write_fully(fd, (struct.pack(">Q", next(self._generation)),), _GENERATION_AT)
+        table = self._map
+        if table.closed:
+            raise OSError(errno.EBADF, "the slab's table is closed")
+        for slot, record in entries:
+            at = _PAGE + slot * RECORD_BYTES
+            table[at : at + RECORD_BYTES] = record or _EMPTY
+        table[_GENERATION_AT : _GENERATION_AT + 8] = struct.pack(">Q", next(self._generation))
+
+    def close(self) -> None:
+        """Unmap the table (the map holds its own descriptor of the file, and with it the
+        slab's ``flock``). Idempotent."""
+        self._map.close()
 
 
 class _Peer:

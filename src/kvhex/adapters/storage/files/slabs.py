@@ -240,7 +240,12 @@ class SlabIo:
             log.warning("tier_slab_unreadable", slab=name, error="shorter than its slots")
             os.close(fd)
             return None
-        slab = _Slab(name, path, fd, slots, ())
+        try:
+            slab = _Slab(name, path, fd, slots, ())
+        except OSError as exc:  # its table cannot be mapped
+            log.warning("tier_slab_unreadable", slab=name, error=str(exc))
+            os.close(fd)
+            return None
         self._slabs[name] = slab
         return slab, records
 
@@ -309,13 +314,20 @@ class SlabIo:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             os.posix_fallocate(fd, 0, table_bytes(slots) + slots * self.slot_size)
             start_table(fd, slots)
-            os.rename(building, path)  # the lock stays with the open file
+            slab = _Slab(name, path, fd, slots, ())
         except BaseException:
             os.close(fd)
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(building)
             raise
-        slab = _Slab(name, path, fd, slots, ())
+        try:
+            os.rename(building, path)  # the lock stays with the open file
+        except BaseException:
+            slab.table.close()
+            os.close(fd)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(building)
+            raise
         self._slabs[name] = slab
         return slab
 
@@ -479,6 +491,7 @@ class SlabIo:
         self.mover.close()
         with self._lock:
             for slab in self._slabs.values():
+                slab.table.close()
                 os.close(slab.fd)
             self._slabs.clear()
             self._where.clear()
