@@ -50,6 +50,7 @@ from typing import Any
 from _report import Report, add_chunk_sizes, add_repeats, interval_text, parse, summarize
 from _s3 import start_loopback_s3
 from kvhex.adapters.memory import MemoryHostBuffer
+from kvhex.adapters.storage.files.native import checksum_entry
 from kvhex.adapters.storage.files.slabs import PosixSlotMover
 from kvhex.adapters.storage.fsspec import FsspecTierStore
 from kvhex.domain import JobId, JobKind, TierJob, make_offload_key
@@ -360,7 +361,8 @@ def main() -> None:
     report = Report("tiers", args)
     if "files" in tiers:
         native = PosixSlotMover(native=False if args.python_io else None).native
-        report.say(f"files: the {'native' if native else 'Python'} data path")
+        path = f"native data path, checksum {checksum_entry()}" if native else "Python data path"
+        report.say(f"files: the {path}")
     if args.queued:
         report.say("each pass's jobs queued before the IO threads start (--queued)")
     head = f"{'tier':<8}{'chunk':>8}{'put GB/s':>10}{'raw':>8}{'ratio':>7}{'95% CI':>12}"

@@ -4,6 +4,7 @@ run. The file tier's whole contract runs on both paths (tests/contracts)."""
 
 from __future__ import annotations
 
+import ctypes
 import os
 import subprocess
 import sys
@@ -110,7 +111,7 @@ def test_both_paths_write_the_same_bytes_and_read_them_back_alike(
 ) -> None:
     from kvhex.adapters.storage.files import slabs
 
-    monkeypatch.setattr(slabs, "_WRITE_RUN_BYTES", run_limit or (1 << 40))
+    monkeypatch.setattr(slabs, "_RUN_BYTES", run_limit or (1 << 40))
     gap = gaps.draw(st.lists(st.booleans(), min_size=len(sizes), max_size=len(sizes)))
     host = random_host(len(sizes), 1 << 18, len(sizes))
     files = {}
@@ -201,7 +202,7 @@ from tests.adapters.jobs import key
 
 signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # EFBIG instead of the signal
 payload, count, run_bytes, limit = (int(a) for a in sys.argv[3:7])
-slabs._WRITE_RUN_BYTES = run_bytes
+slabs._RUN_BYTES = run_bytes
 host = MemoryHostBuffer(count, max(payload, 1))
 for s in range(count):
     host.slot_view(s)[:] = bytes([s % 251 + 1]) * max(payload, 1)
@@ -265,6 +266,28 @@ def test_malformed_blocks_are_refused_before_any_write(tmp_path: Path) -> None:
         os.close(fd)
 
 
+@needs_native
+@pytest.mark.usefixtures("reload_native")
+def test_the_checksum_is_xxhash_s_entry_that_picks_the_cpu_s_vector_unit(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The extension's plain XXH3_64bits is built for the baseline CPU (SSE2): bound is the
+    entry that dispatches at run time, as xxhash's own functions are, and the plain one only
+    where the first is missing."""
+    library = ctypes.CDLL(xxhash._xxhash.__file__)
+    assert hasattr(library, "XXH3_64bits_dispatch"), "this xxhash build has no dispatch entry"
+    assert native.checksum_entry() == "XXH3_64bits_dispatch"
+    native._load.cache_clear()
+    monkeypatch.setattr(native, "_SYMBOLS", ("XXH3_no_such_entry", "XXH3_64bits"))
+    assert native.checksum_entry() == "XXH3_64bits"
+    data = os.urandom(300_000)
+    assert native.load().checksum(data) == xxhash.xxh3_64_intdigest(data)
+    native._load.cache_clear()
+    monkeypatch.setattr(native, "_SYMBOLS", ("XXH3_no_such_entry",))
+    with pytest.raises(native.NativeUnavailable, match="exports no XXH3_no_such_entry"):
+        native.checksum_entry()
+
+
 @pytest.mark.usefixtures("reload_native")
 def test_a_checksum_that_disagrees_with_xxhash_leaves_the_python_path(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
@@ -280,8 +303,9 @@ def test_a_checksum_that_disagrees_with_xxhash_leaves_the_python_path(
         {
             "event": "native_io_unavailable",
             "log_level": "warning",
-            "reason": "the native data path is unavailable: the xxhash package's XXH3_64bits "
-            "disagrees with xxhash at 0 bytes",
+            "reason": "the native data path is unavailable: the xxhash package's "
+            "XXH3_64bits_dispatch disagrees with xxhash at 0 bytes; the xxhash package's "
+            "XXH3_64bits disagrees with xxhash at 0 bytes",
             "running": "the Python data path",
         }
     ]
@@ -302,7 +326,8 @@ def test_a_stale_build_is_refused_with_what_to_do(monkeypatch: pytest.MonkeyPatc
     from kvhex.adapters.storage.files import _slotio
 
     monkeypatch.setattr(_slotio, "API_VERSION", 0)
-    with pytest.raises(native.NativeUnavailable, match="version 0, this code expects 1: reinstall"):
+    expected = f"version 0, this code expects {native._API_VERSION}: reinstall"
+    with pytest.raises(native.NativeUnavailable, match=expected):
         native.load()
 
 
@@ -365,4 +390,4 @@ def test_the_build_compiles_the_native_path_or_says_why(tmp_path: Path) -> None:
     assert not list(Path(native.__file__).parent.glob("_slotio*.so"))  # no stale build left
     assert "True" in build_wheel(tmp_path / "again", KVHEX_NATIVE="auto")  # built in place again
     loads = "from kvhex.adapters.storage.files import native; print(native.load().API_VERSION)"
-    assert run_script(loads).strip() == "1"
+    assert run_script(loads).strip() == str(native._API_VERSION)

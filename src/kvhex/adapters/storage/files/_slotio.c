@@ -7,8 +7,8 @@
  * area, then payload) and what a header holds stay in format.py: Python packs each header
  * with its checksum field zeroed and passes the field's offset; this code fills it in.
  *
- * The checksum is the XXH3-64 that the xxhash package's extension exports (XXH3_64bits), found
- * by dlsym: the same function the Python path runs, so both paths write the same bytes.
+ * The checksum is an XXH3-64 that the xxhash package's extension exports, found by dlsym
+ * (native.py names it and checks it against xxhash): both paths write the same bytes.
  *
  * A block is a tuple (fd, offset, header, payload); header and payload are buffers the caller
  * keeps alive and unchanged for the call (host slots pinned or reserved by the tier). Blocks
@@ -24,7 +24,7 @@
 #include <string.h>
 #include <sys/uio.h>
 
-#define API_VERSION 1
+#define API_VERSION 2
 #define MAX_RUN_BLOCKS 512 /* two iovecs a block: IOV_MAX (1024); slabs.py's _RUN_BLOCKS */
 
 typedef uint64_t (*hash_fn)(const void *, size_t);
@@ -212,16 +212,17 @@ static PyObject *write_blocks(PyObject *self, PyObject *args) {
 }
 
 PyDoc_STRVAR(read_blocks_doc,
-"read_blocks(blocks) -> list[int | None]\n\n"
+"read_blocks(blocks, max_run_bytes) -> list[int | None]\n\n"
 "Read each run of adjacent blocks with one preadv (header area into the header buffer,\n"
-"payload into the payload buffer), then checksum each payload read whole. Per block the\n"
+"payload into the payload buffer), a run at most max_run_bytes (one block at least; 0: no\n"
+"limit), then checksum each payload read whole. Per block the\n"
 "payload's checksum, or None where the file ends before the block does.\n"
 "Raises OSError: a read failed (nothing is returned).");
 
 static PyObject *read_blocks(PyObject *self, PyObject *args) {
     PyObject *seq;
-    Py_ssize_t n;
-    if (!PyArg_ParseTuple(args, "O:read_blocks", &seq)) return NULL;
+    Py_ssize_t n, max_run_bytes;
+    if (!PyArg_ParseTuple(args, "On:read_blocks", &seq, &max_run_bytes)) return NULL;
     if (need_hasher() < 0) return NULL;
     block_t *blocks = take_blocks(seq, &n, 0, 1);
     if (blocks == NULL) return NULL;
@@ -238,7 +239,7 @@ static PyObject *read_blocks(PyObject *self, PyObject *args) {
     int err = 0;
     Py_BEGIN_ALLOW_THREADS
     for (Py_ssize_t i = 0; i < n && err == 0;) {
-        Py_ssize_t j = run_end(blocks, n, i, 0);
+        Py_ssize_t j = run_end(blocks, n, i, max_run_bytes);
         int count = 0;
         for (Py_ssize_t k = i; k < j; k++) {
             iov[count].iov_base = blocks[k].head.buf;
@@ -303,13 +304,16 @@ static PyObject *checksum(PyObject *self, PyObject *arg) {
 }
 
 PyDoc_STRVAR(bind_hasher_doc,
-"bind_hasher(path) -> None\n\n"
-"Bind XXH3_64bits from the shared library at path (kept loaded) as the checksum.\n"
+"bind_hasher(path, symbol) -> None\n\n"
+"Bind the function `symbol` (an XXH3-64 of (data, length)) from the shared library at path\n"
+"(kept loaded) as the checksum.\n"
 "Raises OSError: the library cannot be loaded or does not export it.");
 
-static PyObject *bind_hasher(PyObject *self, PyObject *arg) {
+static PyObject *bind_hasher(PyObject *self, PyObject *args) {
     PyObject *path;
-    if (!PyUnicode_FSConverter(arg, &path)) return NULL;
+    const char *symbol;
+    if (!PyArg_ParseTuple(args, "O&s:bind_hasher", PyUnicode_FSConverter, &path, &symbol))
+        return NULL;
     void *lib = dlopen(PyBytes_AS_STRING(path), RTLD_NOW | RTLD_LOCAL);
     Py_DECREF(path);
     if (lib == NULL) {
@@ -317,10 +321,10 @@ static PyObject *bind_hasher(PyObject *self, PyObject *arg) {
         return PyErr_Format(PyExc_OSError, "cannot load the checksum's library: %s",
                             why ? why : "unknown error");
     }
-    void *fn = dlsym(lib, "XXH3_64bits");
+    void *fn = dlsym(lib, symbol);
     if (fn == NULL) {
         dlclose(lib);
-        return PyErr_Format(PyExc_OSError, "the library exports no XXH3_64bits");
+        return PyErr_Format(PyExc_OSError, "the library exports no %s", symbol);
     }
     memcpy(&hasher, &fn, sizeof(hasher));
     Py_RETURN_NONE;
@@ -330,7 +334,7 @@ static PyMethodDef methods[] = {
     {"write_blocks", write_blocks, METH_VARARGS, write_blocks_doc},
     {"read_blocks", read_blocks, METH_VARARGS, read_blocks_doc},
     {"checksum", checksum, METH_O, checksum_doc},
-    {"bind_hasher", bind_hasher, METH_O, bind_hasher_doc},
+    {"bind_hasher", bind_hasher, METH_VARARGS, bind_hasher_doc},
     {NULL, NULL, 0, NULL},
 };
 
