@@ -16,10 +16,9 @@ A record torn by a power loss fails its CRC and names nothing (its block is then
 
 Publishing a job's blocks costs a memory store per record (:class:`SlotTable` maps the
 table), not a transaction per job: no lock is shared between the IO threads or between
-processes. Only the instance
-holding a slab's ``flock`` writes its table, and it bumps the table's generation after every
-change, so other instances (:class:`PeerTables`) re-read only the tables that changed, and of
-those only the pages that changed.
+processes. Only the instance holding a slab's ``flock`` writes its table, and it bumps the
+table's generation after every change, so other instances (:class:`PeerTables`) re-read only
+the tables that changed, and of those only the pages that changed.
 
 Also here: the names a local namespace directory holds (:data:`SLAB_DIR`,
 :data:`KNOWN_ENTRIES`, :func:`is_slab_id`), which the slab IO and ``kvhex fsck`` share.
@@ -184,15 +183,18 @@ class SlotTable:
         """Store each (slot, record), ``b""`` clearing one, then the next generation.
 
         Raises:
-            OSError: the table is closed (nothing is written).
+            OSError: the table is closed (records stored before it was stay).
         """
         table = self._map
-        if table.closed:
-            raise OSError(errno.EBADF, "the slab's table is closed")
-        for slot, record in entries:
-            at = _PAGE + slot * RECORD_BYTES
-            table[at : at + RECORD_BYTES] = record or _EMPTY
-        table[_GENERATION_AT : _GENERATION_AT + 8] = struct.pack(">Q", next(self._generation))
+        try:
+            for slot, record in entries:
+                at = _PAGE + slot * RECORD_BYTES
+                table[at : at + RECORD_BYTES] = record or _EMPTY
+            table[_GENERATION_AT : _GENERATION_AT + 8] = struct.pack(">Q", next(self._generation))
+        except ValueError:
+            if not table.closed:
+                raise
+            raise OSError(errno.EBADF, "the slab's table is closed") from None
 
     def close(self) -> None:
         """Unmap the table (the map holds its own descriptor of the file, and with it the

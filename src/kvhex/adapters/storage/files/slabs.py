@@ -232,19 +232,15 @@ class SlabIo:
             os.unlink(path)
             os.close(fd)
             return None
-        try:
+        try:  # what cannot be adopted is left as it is, for fsck to report
             slots, records = read_table(fd)
-        except TableError as exc:  # left as it is, for fsck to report
-            log.warning("tier_slab_unreadable", slab=name, error=str(exc))
-            os.close(fd)
-            return None
-        if os.fstat(fd).st_size < table_bytes(slots) + slots * self.slot_size:
-            log.warning("tier_slab_unreadable", slab=name, error="shorter than its slots")
-            os.close(fd)
-            return None
-        try:
-            slab = _Slab(name, path, fd, slots, ())
-        except OSError as exc:  # its table cannot be mapped
+            if os.fstat(fd).st_size < table_bytes(slots) + slots * self.slot_size:
+                raise TableError("shorter than its slots")
+            try:
+                slab = _Slab(name, path, fd, slots, ())
+            except OSError as exc:
+                raise TableError(f"its table cannot be mapped: {exc}") from exc
+        except TableError as exc:
             log.warning("tier_slab_unreadable", slab=name, error=str(exc))
             os.close(fd)
             return None
@@ -312,20 +308,16 @@ class SlabIo:
         path = os.path.join(self.slab_dir, name + ".slab")
         building = os.path.join(self.slab_dir, name + ".new")
         fd = os.open(building, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        slab: _Slab | None = None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             os.posix_fallocate(fd, 0, table_bytes(slots) + slots * self.slot_size)
             start_table(fd, slots)
             slab = _Slab(name, path, fd, slots, ())
-        except BaseException:
-            os.close(fd)
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(building)
-            raise
-        try:
             os.rename(building, path)  # the lock stays with the open file
         except BaseException:
-            slab.table.close()
+            if slab is not None:
+                slab.table.close()
             os.close(fd)
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(building)
