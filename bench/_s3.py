@@ -7,7 +7,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from collections.abc import Callable
 
 _SERVER = (
     "import sys, threading, time\n"
@@ -26,8 +25,32 @@ _SERVER = (
 )
 
 
-def start_loopback_s3(latency_s: float = 0.0) -> tuple[int, Callable[[], None]]:
-    """Start the server: its port, and the call that stops it (its stdin closes: it exits).
+class LoopbackS3:
+    """The running server: its port, the CPU it has used, and the call that stops it."""
+
+    def __init__(self, port: int, process: subprocess.Popen[str]) -> None:
+        self.port = port
+        self._process = process
+
+    def cpu_seconds(self) -> float | None:
+        """User and system seconds the server's process has used so far (all its threads), or
+        ``None`` where ``/proc`` cannot tell. Over a pass, divided by the pass's seconds: the
+        cores the server kept busy. One Python process serves every request under one GIL, so
+        near 1.0 it, not the client, sets the pace."""
+        try:
+            with open(f"/proc/{self._process.pid}/stat") as stat:
+                fields = stat.read().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            return None
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+    def stop(self) -> None:
+        """Close the server's stdin: it exits."""
+        self._process.communicate("")
+
+
+def start_loopback_s3(latency_s: float = 0.0) -> LoopbackS3:
+    """Start the server on a free loopback port.
 
     ``latency_s`` holds every request that long before moto serves it (in the request's own
     thread, so concurrent requests wait side by side): the time to first byte of a store that
@@ -41,9 +64,4 @@ def start_loopback_s3(latency_s: float = 0.0) -> tuple[int, Callable[[], None]]:
         text=True,
     )
     assert server.stdout is not None
-    port = int(server.stdout.readline())
-
-    def stop() -> None:
-        server.communicate("")
-
-    return port, stop
+    return LoopbackS3(int(server.stdout.readline()), server)

@@ -18,9 +18,12 @@ get keeps at most one host buffer's worth of chunks in flight, as the managers' 
 guarantee), and is polled every millisecond. ``--io-threads`` (4 by default: vLLM's default
 for its tier) is passed to all three: vLLM's tier hands it to its one NIXL agent's OBJ
 backend as ``num_threads``; kvhex's tiers run that many IO threads (the nixl tier with one
-NIXL agent each). The report names each side's concurrency. ``--server-latency-ms`` holds
-every request that long before the server serves it, as a store off the machine answers
-after a round trip: throughput then follows the requests each side keeps in flight.
+NIXL agent each). The report names each side's concurrency, and under each chunk size the
+cores the server process kept busy during each side's passes: near 1.0 for every side, the
+one Python server (one GIL) sets the pace, and the ratios measure it more than the tiers.
+``--server-latency-ms`` holds every request that long before the server serves it, as a store
+off the machine answers after a round trip: throughput then follows the requests each side
+keeps in flight.
 
     .venv-vllm/bin/python bench/objects.py [--total-mib 512] [--tiers s3,nixl] [--io-threads 4]
     .venv-vllm/bin/python bench/objects.py --quick --json   # tiny sizes; rows as JSON
@@ -56,7 +59,7 @@ from collections.abc import Callable
 from typing import Any
 
 from _report import Report, add_chunk_sizes, add_repeats, interval_text, parse, summarize
-from _s3 import start_loopback_s3
+from _s3 import LoopbackS3, start_loopback_s3
 from kvhex.adapters.memory import MemoryHostBuffer
 from kvhex.adapters.storage.nixl import obj_backend_threads
 from kvhex.adapters.storage.s3_direct import REQUESTS_IN_FLIGHT
@@ -305,13 +308,18 @@ def kvhex_tier(
     )
 
 
-def timed(fn: Callable[[], None], nbytes: int) -> float:
+def timed(fn: Callable[[], None], nbytes: int, server: LoopbackS3) -> tuple[float, float | None]:
     """GB/s of one call, started with no dirty page cache left by the previous one (moto
-    spools large objects to temporary files)."""
+    spools large objects to temporary files), and the cores the server kept busy meanwhile
+    (``None`` where that cannot be read)."""
     os.sync()
+    before = server.cpu_seconds()
     t0 = time.perf_counter()
     fn()
-    return nbytes / (time.perf_counter() - t0) / 1e9
+    seconds = time.perf_counter() - t0
+    after = server.cpu_seconds()
+    cores = None if before is None or after is None else (after - before) / seconds
+    return nbytes / seconds / 1e9, cores
 
 
 def one_size(
@@ -324,8 +332,8 @@ def one_size(
     n = max(1, total // chunk)
     nbytes = n * chunk
     rows = min(n, MAX_SLOTS)
-    port, stop_server = start_loopback_s3(args.server_latency_ms / 1000)
-    endpoint = f"http://127.0.0.1:{port}"
+    server = start_loopback_s3(args.server_latency_ms / 1000)
+    endpoint = f"http://127.0.0.1:{server.port}"
     fs = s3fs.S3FileSystem(
         **ACCESS, endpoint_url=endpoint, use_listings_cache=False, skip_instance_cache=True
     )
@@ -366,18 +374,20 @@ def one_size(
         for r in range(repeats):
             turn = order[r % len(order) :] + order[: r % len(order)]
             for direction in ("put", "get"):
-                got = {side: timed(getattr(runs[side], direction), nbytes) for side in turn}
-                for side, rate in got.items():
+                got = {side: timed(getattr(runs[side], direction), nbytes, server) for side in turn}
+                for side, (rate, cores) in got.items():
                     rates.setdefault(f"{side} {direction}", []).append(rate)
+                    if cores is not None:
+                        rates.setdefault(f"{side} server {direction}", []).append(cores)
                     if with_vllm and side != "vllm":
-                        ratio = rate / got["vllm"]
+                        ratio = rate / got["vllm"][0]
                         rates.setdefault(f"{side} ratio {direction}", []).append(ratio)
             clean()
         return summarize(rates)
     finally:
         for close in reversed(closers):
             close()
-        stop_server()
+        server.stop()
 
 
 def main() -> None:
@@ -459,6 +469,9 @@ def main() -> None:
                         r.get(f"{side} ratio {direction} high"),
                     ),
                 )
+        busy = _server_line(["vllm", *sides] if with_vllm else sides, r)
+        if busy:
+            report.say(busy)
     report.finish()
 
 
@@ -470,6 +483,21 @@ def _latency(text: str) -> float:
     if not 0 <= value <= 10_000:
         raise argparse.ArgumentTypeError(f"{text!r}: from 0 to 10000 ms")
     return value
+
+
+def _server_line(sides: list[str], r: dict[str, float]) -> str:
+    """The cores the server kept busy during each side's passes (medians), or ``""``: near
+    1.0 for every side, the one server process bounds them all alike."""
+    parts = []
+    for direction in ("put", "get"):
+        busy = [
+            f"{side} {r[f'{side} server {direction}']:.2f}"
+            for side in sides
+            if f"{side} server {direction}" in r
+        ]
+        if busy:
+            parts.append(f"{direction} {', '.join(busy)}")
+    return f"  server CPU, cores (median of passes): {'; '.join(parts)}" if parts else ""
 
 
 def _line(side: str, label: str, r: dict[str, float]) -> str:

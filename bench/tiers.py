@@ -264,11 +264,11 @@ def s3(chunk: int, args: argparse.Namespace) -> dict[str, float]:
         args.repeats,
         args.io_threads,
     )
-    port, stop_server = start_loopback_s3()
+    server = start_loopback_s3()
     opts: dict[str, Any] = {
         "key": "k",
         "secret": "s",
-        "endpoint_url": f"http://127.0.0.1:{port}",
+        "endpoint_url": f"http://127.0.0.1:{server.port}",
         "use_listings_cache": False,
         "skip_instance_cache": True,
     }
@@ -317,7 +317,7 @@ def s3(chunk: int, args: argparse.Namespace) -> dict[str, float]:
     finally:
         store.close()
         pool.shutdown()
-        stop_server()
+        server.stop()
 
 
 def main() -> None:

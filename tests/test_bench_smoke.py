@@ -275,7 +275,9 @@ def test_the_bench_server_holds_each_request_side_by_side(
     from _s3 import start_loopback_s3
 
     hold = 0.4
-    port, stop = start_loopback_s3(hold)
+    server = start_loopback_s3(hold)
+    port = server.port
+    started_up = server.cpu_seconds()  # importing moto and flask alone takes CPU
 
     def list_buckets() -> float:
         started = time.monotonic()
@@ -293,8 +295,14 @@ def test_the_bench_server_holds_each_request_side_by_side(
         with ThreadPoolExecutor(4) as pool:
             each = list(pool.map(lambda _: list_buckets(), range(4)))
         together = time.monotonic() - started
+        served = server.cpu_seconds()
     finally:
-        stop()
+        server.stop()
+    assert started_up is not None
+    assert started_up > 0.1
+    assert served is not None
+    assert served >= started_up
+    assert server.cpu_seconds() is None  # the process is gone: nothing to read
     assert min(each) >= hold
     assert together < 4 * hold  # one after another would take at least 4 holds
 

@@ -64,6 +64,14 @@ def test_objects_bench_compares_both_kvhex_tiers_with_vllms_obj_tier() -> None:
     assert "kvhex s3 (fsspec tier): 4 IO threads" in done.stderr
     assert "kvhex nixl (nixl tier, OBJ): 4 IO threads" in done.stderr
     assert "2 MiB each way per pass, 4 chunks per job, 1 passes" in done.stderr  # --quick
+    # the server's CPU during each side's passes, under each chunk size's lines
+    busy = [line for line in done.stderr.splitlines() if "server CPU, cores" in line]
+    assert len(busy) == 2, done.stderr[-4000:]
+    for line in busy:
+        for direction in ("put", "get"):
+            shown = line.split(f"{direction} ", 1)[1].split(";")[0].split(", ")
+            assert [side.split()[0] for side in shown] == ["vllm", "s3", "nixl"], line
+            assert all(float(side.split()[1]) >= 0 for side in shown), line
     for tier in ("s3", "nixl"):
         for chunk in ("2048 KiB", "256 KiB"):
             assert any(
