@@ -301,7 +301,6 @@ def test_the_bench_server_holds_each_request_side_by_side(
     assert started_up is not None
     assert started_up > 0.1
     assert served is not None
-    assert served >= started_up
     assert server.cpu_seconds() is None  # the process is gone: nothing to read
     assert min(each) >= hold
     assert together < 4 * hold  # one after another would take at least 4 holds

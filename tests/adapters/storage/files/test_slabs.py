@@ -9,6 +9,7 @@ import concurrent.futures as cf
 import errno
 import fcntl
 import os
+import platform
 import signal
 import subprocess
 import sys
@@ -17,9 +18,10 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 import pytest
+import structlog.testing
 
 from kvhex.adapters.memory import MemoryHostBuffer
-from kvhex.adapters.storage.files import index
+from kvhex.adapters.storage.files import index, slabs
 from kvhex.adapters.storage.files.fsck import check_root
 from kvhex.adapters.storage.files.index import SLAB_DIR, read_table, table_bytes
 from kvhex.adapters.storage.files.slabs import PosixSlotMover, SlabIo
@@ -192,30 +194,110 @@ def test_a_slab_cut_inside_a_run_fails_only_the_blocks_past_the_cut(
     io.close()
 
 
-def test_records_written_through_the_map_are_what_readers_see_and_close_lets_the_slab_go(
-    tmp_path: Path, host: MemoryHostBuffer
+@pytest.mark.parametrize("how", ["mapped", "pwrite", "map refused"])
+def test_records_are_what_readers_see_and_close_lets_the_slab_go(
+    tmp_path: Path, host: MemoryHostBuffer, monkeypatch: pytest.MonkeyPatch, how: str
 ) -> None:
-    """The table is stored through a memory map: a reader's ``pread`` sees each record as
-    soon as the job ends, and each removal as soon as it returns; closing unmaps it, so the
-    slab's ``flock`` (which the map's descriptor shares) is free for the next instance, and a
-    store after that is refused, not lost."""
+    """However the table is written (through a memory map, with ``pwrite`` where maps are
+    not used, or with ``pwrite`` after the map was refused), a reader's ``pread`` sees each
+    record as soon as the job ends and each removal as soon as it returns; closing frees the
+    slab's ``flock`` (which a map's descriptor shares) for the next instance, and a store
+    into a closed map is refused, not lost."""
+    monkeypatch.setattr(slabs, "maps_tables", lambda path: how != "pwrite")
+    if how == "map refused":
+
+        def refused(*args: object) -> None:
+            raise OSError(errno.ENODEV, "No such device")
+
+        monkeypatch.setattr(index.mmap, "mmap", refused)
     io = open_io(tmp_path)
     assert io.write_many(items(host, range(3))) == [None] * 3
+    table = next(iter(io._slabs.values())).table
+    assert table.mapped is (how == "mapped")
     assert recorded(tmp_path) == sorted(key(i) for i in range(3))
     io.remove_many([key(1)])
     assert recorded(tmp_path) == sorted([key(0), key(2)])
     (path,) = slab_files(tmp_path)
-    table = next(iter(io._slabs.values())).table
     io.close()
     fd = os.open(path, os.O_RDWR)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # raises while the map holds it
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # raises while a map holds it
     finally:
         os.close(fd)
-    with pytest.raises(OSError, match="closed"):
-        table.write([(0, b"")])
+    if how == "mapped":
+        with pytest.raises(OSError, match="closed"):
+            table.write([(0, b"")])
+    monkeypatch.undo()
     again = open_io(tmp_path)
     assert read_back(again, [0, 2]) == [payload(0), payload(2)]
+    again.close()
+
+
+def test_tables_are_mapped_only_where_a_store_cannot_fail_or_be_seen_out_of_order(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A store into a mapped page that needs a new block (copy-on-write filesystems) or a
+    server (network ones) fails as SIGBUS, and a CPU that reorders stores could show a peer
+    a new generation before its records: maps only on ext4, XFS and tmpfs, on x86."""
+    if not Path("/dev/shm").is_dir() or platform.machine() != "x86_64":
+        pytest.skip("needs tmpfs at /dev/shm on x86-64 (a Linux machine like CI's)")
+    assert index.maps_tables("/dev/shm")
+    assert not index.maps_tables("/proc")  # procfs
+    assert not index.maps_tables("/sys")  # sysfs
+    assert not index.maps_tables("/no/such/path")
+    monkeypatch.setattr(index.platform, "machine", lambda: "aarch64")
+    assert not index.maps_tables("/dev/shm")
+
+
+def test_a_damaged_slot_count_is_an_unreadable_table_not_a_huge_read(
+    tmp_path: Path, host: MemoryHostBuffer
+) -> None:
+    """A table head naming more slots than the file holds (a damaged count) is refused as
+    such before anything is read: the slab is left for fsck, the instance starts."""
+    io = open_io(tmp_path)
+    assert io.write_many(items(host, range(2))) == [None, None]
+    io.close()
+    (path,) = slab_files(tmp_path)
+    with open(path, "r+b") as slab:
+        slab.seek(8)
+        slab.write((1 << 62).to_bytes(8, "big"))  # the head's slot count
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        with pytest.raises(index.TableError, match="shorter than the table of the"):
+            read_table(fd)
+    finally:
+        os.close(fd)
+    with structlog.testing.capture_logs() as said:
+        again = open_io(tmp_path)
+    assert [e["event"] for e in said] == ["tier_slab_unreadable"]
+    assert again.exists_many([key(0), key(1)]) == set()
+    again.close()
+
+
+def test_a_slab_that_cannot_be_read_at_start_up_is_let_go(
+    tmp_path: Path, host: MemoryHostBuffer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An I/O error reading a dead instance's table fails the start with that error, and
+    leaves no descriptor holding the slab's lock: the next start adopts it."""
+    io = open_io(tmp_path)
+    assert io.write_many(items(host, range(2))) == [None, None]
+    io.close()
+
+    def failing(fd: int) -> tuple[int, list[index.Record]]:
+        raise OSError(errno.EIO, "Input/output error")
+
+    monkeypatch.setattr(slabs, "read_table", failing)
+    with pytest.raises(OSError, match="Input/output error"):
+        open_io(tmp_path)
+    monkeypatch.undo()
+    (path,) = slab_files(tmp_path)
+    fd = os.open(path, os.O_RDWR)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # raises if a descriptor leaked
+    finally:
+        os.close(fd)
+    again = open_io(tmp_path)
+    assert read_back(again, [0, 1]) == [payload(0), payload(1)]
     again.close()
 
 

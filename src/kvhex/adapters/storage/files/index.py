@@ -14,11 +14,12 @@ process killed at any point): a record is set only after its block is written, a
 before its slot is overwritten or unmarked, so a record always names a slot holding its block.
 A record torn by a power loss fails its CRC and names nothing (its block is then an orphan).
 
-Publishing a job's blocks costs a memory store per record (:class:`SlotTable` maps the
-table), not a transaction per job: no lock is shared between the IO threads or between
-processes. Only the instance holding a slab's ``flock`` writes its table, and it bumps the
-table's generation after every change, so other instances (:class:`PeerTables`) re-read only
-the tables that changed, and of those only the pages that changed.
+Publishing a job's blocks costs a memory store per record where :class:`SlotTable` maps the
+table (else a ``pwrite`` per run of adjacent slots), not a transaction per job: no lock is
+shared between the IO threads or between processes. Only the instance holding a slab's
+``flock`` writes its table, and it bumps the table's generation after every change, so other
+instances (:class:`PeerTables`) re-read only the tables that changed, and of those only the
+pages that changed.
 
 Also here: the names a local namespace directory holds (:data:`SLAB_DIR`,
 :data:`KNOWN_ENTRIES`, :func:`is_slab_id`), which the slab IO and ``kvhex fsck`` share.
@@ -31,11 +32,13 @@ import errno
 import itertools
 import mmap
 import os
+import platform
 import struct
 import threading
 import zlib
 from collections.abc import Container, Iterable, Sequence
 
+from kvhex.adapters.storage.block_io import write_fully
 from kvhex.adapters.storage.format import CONFIG
 from kvhex.domain.keys import OffloadKey
 
@@ -50,6 +53,7 @@ __all__ = [
     "SlotTable",
     "TableError",
     "is_slab_id",
+    "maps_tables",
     "pack_record",
     "read_table",
     "start_table",
@@ -143,6 +147,8 @@ def _read_head(fd: int) -> tuple[int, int]:
     magic, slots, generation = _HEAD.unpack(data)
     if magic != TABLE_MAGIC or slots == 0:
         raise TableError("no slot table at the head of the file")
+    if os.fstat(fd).st_size < table_bytes(slots):  # a damaged count, or a cut file
+        raise TableError(f"the file is shorter than the table of the {slots} slots it names")
     return slots, generation
 
 
@@ -158,33 +164,76 @@ def read_table(fd: int) -> tuple[int, list[Record]]:
     return slots, _records(data, 0)
 
 
+_MAPPABLE_FILESYSTEMS = frozenset({"ext4", "xfs", "tmpfs"})
+"""Where a store into a mapped, preallocated table page never needs a new block: no
+copy-on-write (btrfs, ZFS), no server to fail a page fault (NFS, FUSE)."""
+_IN_ORDER_CPUS = frozenset({"x86_64", "amd64", "i386", "i686"})
+"""Where every other CPU sees one thread's plain stores in program order (a peer that reads a
+new generation finds the records stored before it)."""
+
+
+def maps_tables(path: str) -> bool:
+    """True where the slot tables of slabs under ``path`` may be written through a shared
+    memory map (:class:`SlotTable`): an in-order CPU and a filesystem of
+    :data:`_MAPPABLE_FILESYSTEMS`, found in ``/proc/self/mountinfo`` by ``path``'s device."""
+    if platform.machine().lower() not in _IN_ORDER_CPUS:
+        return False
+    try:
+        dev = os.stat(path).st_dev
+        with open("/proc/self/mountinfo") as mounts:
+            lines = mounts.read().splitlines()
+    except OSError:
+        return False
+    device = f"{os.major(dev)}:{os.minor(dev)}"
+    for line in lines:
+        fields = line.split()
+        if len(fields) > 2 and fields[2] == device and " - " in line:
+            return line.split(" - ", 1)[1].split()[0] in _MAPPABLE_FILESYSTEMS
+    return False
+
+
 class SlotTable:
     """The table of one slab this instance owns (and holds locked): sets and clears its
     records, then bumps its generation. Safe from several IO threads at once (they write
     different slots' records).
 
-    The table is written through a shared memory map of the file's head, not with
-    ``pwrite``: a store into the page cache takes no inode lock, where a ``pwrite`` of one
-    record waits for (and, on Linux, spins a core on) another thread's block write into the
-    same slab. What lands in the page cache, and when, is the same: every other reader
-    (peers, ``fsck``, a restart) ``pread``s the same pages, ``fdatasync`` flushes them, and a
-    killed process leaves them as written. The map covers only the table, which the slab's
-    creation preallocated, so no store into it needs a new block (no ``SIGBUS`` on a full
-    disk); truncating a live slab under its owner is the one way to break it.
+    With ``mapped`` (see :func:`maps_tables`), the table is written through a shared memory
+    map of the file's head: a store into the page cache takes no inode lock, where a
+    ``pwrite`` of one record waits for (and, on Linux, spins a core on) another thread's
+    block write into the same slab. What lands in the page cache, and when, is the same:
+    every other reader (peers, ``fsck``, a restart) ``pread``s the same pages,
+    ``fdatasync`` flushes them, and a killed process leaves them as written. The table is
+    preallocated with its slab, so on the filesystems allowed no store needs a new block;
+    an I/O error reading a table page back, or a slab truncated under its owner, would end
+    the process with ``SIGBUS`` where ``pwrite`` returns an error. The map costs a second
+    descriptor per slab (Python's ``mmap`` holds its own). Where the map cannot be made (no
+    shared maps there, no descriptor left), the table is written with ``pwrite`` instead:
+    one per run of adjacent slots, then the generation.
     """
 
-    def __init__(self, fd: int) -> None:
+    def __init__(self, fd: int, *, mapped: bool = False) -> None:
         slots, generation = _read_head(fd)
         self.fd = fd
         self._generation = itertools.count(generation + 1)
-        self._map = mmap.mmap(fd, table_bytes(slots))  # shared, read and write
+        self._map: mmap.mmap | None = None
+        if mapped:
+            with contextlib.suppress(OSError):  # ENODEV, EMFILE, ENOMEM: pwrite instead
+                self._map = mmap.mmap(fd, table_bytes(slots))  # shared, read and write
+
+    @property
+    def mapped(self) -> bool:
+        """Whether records are stored through the map (else written with ``pwrite``)."""
+        return self._map is not None
 
     def write(self, entries: Iterable[tuple[int, bytes]]) -> None:
-        """Store each (slot, record), ``b""`` clearing one, then the next generation.
+        """Set each (slot, record), ``b""`` clearing one, then the next generation.
 
         Raises:
-            OSError: the table is closed (records stored before it was stay).
+            OSError: a write failed, or the table is closed; records before it may be set.
         """
+        if self._map is None:
+            self._write(entries)
+            return
         table = self._map
         try:
             for slot, record in entries:
@@ -196,10 +245,27 @@ class SlotTable:
                 raise
             raise OSError(errno.EBADF, "the slab's table is closed") from None
 
+    def _write(self, entries: Iterable[tuple[int, bytes]]) -> None:
+        ordered = sorted(entries)
+        if not ordered:
+            return
+        fd = self.fd
+        first = prev = ordered[0][0]
+        run = [ordered[0][1] or _EMPTY]
+        for slot, record in ordered[1:]:
+            if slot != prev + 1:
+                write_fully(fd, (b"".join(run),), _PAGE + first * RECORD_BYTES)
+                first, run = slot, []
+            run.append(record or _EMPTY)
+            prev = slot
+        write_fully(fd, (b"".join(run),), _PAGE + first * RECORD_BYTES)
+        write_fully(fd, (struct.pack(">Q", next(self._generation)),), _GENERATION_AT)
+
     def close(self) -> None:
-        """Unmap the table (the map holds its own descriptor of the file, and with it the
-        slab's ``flock``). Idempotent."""
-        self._map.close()
+        """Unmap the table, if mapped (the map holds its own descriptor of the file, and
+        with it the slab's ``flock``). Idempotent."""
+        if self._map is not None:
+            self._map.close()
 
 
 class _Peer:
