@@ -123,13 +123,6 @@ def summarize(samples: Mapping[str, Sequence[float]]) -> dict[str, float]:
     return out
 
 
-def interval_text(low: float | None, high: float | None) -> str:
-    """``low-high`` to two places, or ``-`` where there is no interval."""
-    if low is None or high is None or math.isnan(low) or math.isnan(high):
-        return "-"
-    return f"{low:.2f}-{high:.2f}"
-
-
 def _reserve_stdout() -> TextIO:
     """The original stdout, kept for the JSON document, with file descriptor 1 pointed at
     stderr: log lines (structlog prints to stdout) and native libraries that write to fd 1

@@ -58,11 +58,12 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from _report import Report, add_chunk_sizes, add_repeats, interval_text, parse, summarize
+from _report import Report, add_chunk_sizes, add_repeats, parse, summarize
 from _s3 import LoopbackS3, start_loopback_s3
 from kvhex.adapters.memory import MemoryHostBuffer
 from kvhex.adapters.storage.nixl import obj_backend_threads
 from kvhex.adapters.storage.s3_direct import REQUESTS_IN_FLIGHT
+from kvhex.cli.bench import interval_text
 from kvhex.domain import JobId, JobKind, TierJob, make_offload_key
 from kvhex.plugins import TIERS, Registry
 

@@ -47,12 +47,13 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from _report import Report, add_chunk_sizes, add_repeats, interval_text, parse, summarize
+from _report import Report, add_chunk_sizes, add_repeats, parse, summarize
 from _s3 import start_loopback_s3
 from kvhex.adapters.memory import MemoryHostBuffer
 from kvhex.adapters.storage.files.native import checksum_entry
 from kvhex.adapters.storage.files.slabs import PosixSlotMover
 from kvhex.adapters.storage.fsspec import FsspecTierStore
+from kvhex.cli.bench import interval_text
 from kvhex.domain import JobId, JobKind, TierJob, make_offload_key
 
 MiB = 1 << 20

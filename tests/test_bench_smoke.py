@@ -14,6 +14,8 @@ from types import ModuleType
 
 import pytest
 
+from kvhex.cli.bench import interval_text
+
 BENCH = Path(__file__).parent.parent / "bench"
 
 
@@ -163,8 +165,10 @@ def test_summarize_bounds_only_the_ratio_series(report: ModuleType) -> None:
     few = report.summarize({"ratio get": [1.0, 2.0]})
     assert math.isnan(few["ratio get low"])
     assert math.isnan(few["ratio get high"])
-    assert report.interval_text(few["ratio get low"], few["ratio get high"]) == "-"
-    assert report.interval_text(0.871, 1.025) == "0.87-1.02"
+    # the scripts print intervals with ``kvhex bench``'s own formatter
+    assert interval_text(few["ratio get low"], few["ratio get high"]) == "-"
+    assert interval_text(0.871, 1.025) == "0.87-1.02"
+    assert interval_text(None, 1.0) == "-"
 
 
 def test_tiers_bench_reports_the_interval_of_each_median_ratio() -> None:
@@ -295,12 +299,10 @@ def test_the_bench_server_holds_each_request_side_by_side(
         with ThreadPoolExecutor(4) as pool:
             each = list(pool.map(lambda _: list_buckets(), range(4)))
         together = time.monotonic() - started
-        served = server.cpu_seconds()
     finally:
         server.stop()
     assert started_up is not None
     assert started_up > 0.1
-    assert served is not None
     assert server.cpu_seconds() is None  # the process is gone: nothing to read
     assert min(each) >= hold
     assert together < 4 * hold  # one after another would take at least 4 holds

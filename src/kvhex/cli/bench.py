@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import subprocess
 import sys
 import time
@@ -25,7 +26,7 @@ import attrs
 
 from kvhex.cli._args import EXIT_FAILED, EXIT_USAGE, positive
 
-__all__ = ["BENCHMARKS", "add_parser", "find_bench_dir", "main"]
+__all__ = ["BENCHMARKS", "add_parser", "find_bench_dir", "interval_text", "main"]
 
 BENCHMARKS = ("primary_tier", "tiering", "events", "tiers", "gpu_transfer")
 """The scripts of ``bench/`` (without ``.py``), in the order they run."""
@@ -224,7 +225,7 @@ def format_table(outcomes: Sequence[Outcome]) -> list[str]:
             _figure(r.kvhex),
             _figure(r.baseline),
             _ratio(r.ratio),
-            _interval(r.ratio_low, r.ratio_high),
+            interval_text(r.ratio_low, r.ratio_high),
             r.unit,
         )
         for r in rows
@@ -263,8 +264,12 @@ def _ratio(value: float | None) -> str:
     return "-" if value is None else f"{value:.2f}"
 
 
-def _interval(low: float | None, high: float | None) -> str:
-    return "-" if low is None or high is None else f"{low:.2f}-{high:.2f}"
+def interval_text(low: float | None, high: float | None) -> str:
+    """A median ratio's interval as ``low-high`` to two places, or ``-`` where there is none
+    (``None``, or NaN as the bench scripts keep it); the scripts print it the same way."""
+    if low is None or high is None or math.isnan(low) or math.isnan(high):
+        return "-"
+    return f"{low:.2f}-{high:.2f}"
 
 
 def main(args: argparse.Namespace) -> int:
