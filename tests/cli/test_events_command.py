@@ -70,7 +70,7 @@ def test_the_engines_batches_replayed_are_printed_and_consistent(sink: ZmqEventS
             assert f"tokens={len(event.token_ids)}" in line
     summary = "\n".join(lines[lines.index("--") :])
     locality = tier.identity.locality
-    storage = f"STORAGE({locality.value if locality else '-'},mem)"
+    storage = f"STORAGE({locality.value if locality else '-'},-)"  # no ownership announced
     held = REQUESTS * CHUNKS * 2  # the secondary tier keeps every chunk; reset empties CPU
     assert f"blocks held at the end: CPU 0, {storage} {held}" in summary
     assert "sequence gaps: none" in summary
@@ -85,7 +85,7 @@ def test_a_live_stream_is_followed_and_gaps_are_filled_from_the_replay(
     steps = serve([sink, memory])
     next(steps)  # published before the command subscribes: only the replay has it
     sent(sink, 1)
-    total = 24  # what the workload publishes (checked below)
+    total = 14  # what the workload publishes (checked below)
     watcher = spawn(
         "events",
         sink.endpoint,
@@ -383,7 +383,7 @@ def test_a_jsonl_file_gets_the_same_ledger_and_verdict(tmp_path: Path) -> None:
     assert summary["consistent"] is True
     assert summary["batches"] == len(memory.batches)
     locality = tier.identity.locality
-    storage = f"STORAGE({locality.value if locality else '-'},mem)"
+    storage = f"STORAGE({locality.value if locality else '-'},-)"  # no ownership announced
     assert summary["blocks"] == {"CPU": 0, storage: REQUESTS * CHUNKS * 2}
 
 

@@ -89,3 +89,23 @@ def test_labels_name_locality_and_ownership() -> None:
     assert residency_label("STORAGE", "LOCAL", "files") == "STORAGE(LOCAL,files)"
     assert residency_label("STORAGE", None, "s3") == "STORAGE(-,s3)"
     assert residency_label(None, None, None) == "-"
+
+
+def full(*hashes: bytes, parent: bytes | None, medium: str = "CPU") -> BlockStored:
+    return BlockStored(list(hashes), parent, [1] * 4 * len(hashes), 4, None, medium, None)
+
+
+def test_a_block_announced_before_its_parent_makes_the_stream_inconsistent() -> None:
+    ledger = StreamLedger(expected_first=0)
+    ledger.batch(0)
+    ledger.event(full(H1, parent=None))
+    ledger.event(full(H2, parent=H1, medium="STORAGE"))  # its parent is held on CPU: fine
+    ledger.event(removed(H1))
+    ledger.event(full(H3, parent=H1))  # H1 is nowhere now
+    assert ledger.orphan_stores == {"CPU": 1}
+    assert ledger.failures() == ["1 store(s) announced before their parent"]
+    late = StreamLedger()
+    late.batch(5)
+    late.event(full(H3, parent=H2))  # its parent may have been announced before we joined
+    assert late.orphan_stores == {"CPU": 1}
+    assert late.consistent

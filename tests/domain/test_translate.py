@@ -66,7 +66,7 @@ def test_58_full_payloads_chain_parents_across_batches() -> None:
     assert tr.detached_keys == 3
 
 
-def test_59_multi_block_chunks_and_one_removal_with_every_hash() -> None:
+def test_59_contiguous_multi_block_chunks_are_one_chain_and_one_removal_has_every_hash() -> None:
     group = KvGroup(0, tokens_per_block=4, blocks_per_chunk=3)
     geo = KvGeometry((group,), tokens_per_hash=4)
     ctx = make_request("r", tokens(24), geo)
@@ -74,10 +74,10 @@ def test_59_multi_block_chunks_and_one_removal_with_every_hash() -> None:
     assert prov is not None
     k0, k1 = chunk_key(ctx, 0, group), chunk_key(ctx, 1, group)
     tr = EventTranslator(geo)
-    first, second = stored(tr.translate([Stored((k0, k1), CPU, ctx)]))
-    assert first.block_hashes == prov.block_hashes[0:3]
-    assert len(first.token_ids) == 12
-    assert second.parent_block_hash == prov.block_hashes[2]
+    (chain,) = stored(tr.translate([Stored((k0, k1), CPU, ctx)]))
+    assert chain.block_hashes == prov.block_hashes[0:6]
+    assert chain.token_ids == tokens(24)
+    assert (chain.parent_block_hash, chain.block_size) == (None, 4)
     (gone,) = removed(tr.translate([Removed((k0, k1), CPU)]))
     assert gone.block_hashes == prov.block_hashes[0:6]
     assert (gone.medium, gone.group_idx) == ("CPU", 0)
@@ -240,7 +240,7 @@ def test_cleared_tier_becomes_removals_of_exactly_its_keys_with_its_medium() -> 
     assert [(type(e).__name__, e.medium, len(e.block_hashes)) for e in out] == [  # type: ignore[union-attr]
         ("BlockRemoved", "CPU", 2)
     ]
-    assert tr.resident_keys("STORAGE", "files") == [k1]
+    assert tr.resident_keys(DISK) == [k1]
     assert tr.translate([Cleared(CPU)]) == []
 
 
@@ -261,17 +261,17 @@ def test_extra_keys_are_the_gpus_lora_multimodal_salt_and_embeddings() -> None:
     prov = ctx.provenance
     assert prov is not None
     keys = tuple(chunk_key(ctx, c, G0) for c in range(3))
-    out = stored(EventTranslator(GEO).translate([Stored(keys, CPU, ctx)]))
-    assert [e.extra_keys for e in out] == [
-        [("adapter", ("img-1", 2), "tenant-a", digest(0, 4))],
-        [("adapter", ("img-1", -2), digest(4, 8))],
-        [("adapter", digest(8, 12))],
+    (chain,) = stored(EventTranslator(GEO).translate([Stored(keys, CPU, ctx)]))
+    assert chain.extra_keys == [
+        ("adapter", ("img-1", 2), "tenant-a", digest(0, 4)),
+        ("adapter", ("img-1", -2), digest(4, 8)),
+        ("adapter", digest(8, 12)),
     ]
-    assert (out[0].lora_id, out[0].lora_name) == (7, "adapter")
-    parent = None
-    for ev in out:
-        assert recompute(parent, ev.token_ids, ev.block_size, ev.extra_keys, 1) == ev.block_hashes
-        parent = ev.block_hashes[-1]  # type: ignore[assignment]
+    assert (chain.lora_id, chain.lora_name) == (7, "adapter")
+    n = len(chain.block_hashes)
+    assert recompute(None, chain.token_ids, chain.block_size, chain.extra_keys, n) == (
+        chain.block_hashes
+    )
 
 
 def test_int_hashes_publish_the_low_64_bits_big_endian() -> None:

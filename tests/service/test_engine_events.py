@@ -56,17 +56,16 @@ def test_a_cascade_completing_after_its_request_finished_is_fully_described() ->
         eng.lookup(keys[0], ReqContext("other"))
         eng.take_events()
     stored = [e for e in published(sink) if isinstance(e, BlockStored)]
-    assert [(e.medium, e.ownership) for e in stored] == [
-        ("CPU", None),
-        ("CPU", None),
-        ("STORAGE", "mem"),
-        ("STORAGE", "mem"),
+    # each job's two chunks as one chain; the tier names no ownership
+    assert [(e.medium, e.locality, e.ownership) for e in stored] == [
+        ("CPU", None, None),
+        ("STORAGE", "LOCAL", None),
     ]
     for e in stored:
         assert not e.is_placeholder
-        assert (len(e.block_hashes), e.block_size, e.lora_name) == (2, 4, "lora-a")
-    assert stored[2].token_ids == list(range(8))
-    assert stored[3].parent_block_hash == stored[2].block_hashes[-1]
+        assert (len(e.block_hashes), e.block_size, e.lora_name) == (4, 4, "lora-a")
+        assert e.token_ids == list(range(16))
+        assert e.parent_block_hash is None
 
 
 def test_a_promotion_is_announced_with_the_promoting_requests_provenance() -> None:

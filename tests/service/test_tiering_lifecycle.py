@@ -304,8 +304,8 @@ def test_engine_facade_drives_the_full_cycle() -> None:
     engine.on_schedule_end()
     engine.lookup(key(2), ctx)
     published = engine.take_events()
-    assert [type(e) for e in published] == [BlockStored, BlockStored, BlockStored]
-    assert [e.medium for e in published] == ["CPU", "STORAGE", "STORAGE"]
+    assert [type(e) for e in published] == [BlockStored, BlockStored]
+    assert [e.medium for e in published] == ["CPU", "STORAGE"]
     assert engine.stats().tiers[0].puts_ok == 1
     engine.reset()
     engine.shutdown()

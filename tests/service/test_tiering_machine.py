@@ -2,11 +2,17 @@
 interleavings of store, completion (ok or failed), lookup with promotion, device loads, step
 end, request finish, reset and injected faults. Checked at every step: ref counts never below
 -1; eviction only ever takes evictable chunks; every readable host slot holds exactly the bytes
-stored for its key; replaying the raw events per (medium, ownership) reproduces each tier's
-resident key set; every Stored names the request whose work stored it. And for the public
-events: a consumer that reference-counts announcements per (medium, ownership) and ignores
-removals of unknown hashes reconstructs exactly each tier's resident block hashes, and every
-full BlockStored's hashes recompute from its tokens, parent and extra keys."""
+stored for its key; replaying the raw events per tier reproduces each tier's resident key set;
+every Stored names the request whose work stored it.
+
+And for the public events, announced as an engine announces them (the ``Announcer`` of
+``announcer_for``: no ownership names, so both secondary tiers are one residency, STORAGE
+LOCAL): the stream is parent-first (every full BlockStored's parent is announced in some
+residency and not removed since, as a radix-tree index needs); a consumer that keeps a plain
+set per residency (stores add, removals delete, no reference counts: Dynamo's indexer)
+reconstructs exactly what the tiers hold there, less the keys waiting for their parent, and a
+key waits only while its parent is announced nowhere; every full BlockStored's hashes
+recompute from its tokens, parent and extra keys."""
 
 from __future__ import annotations
 
@@ -29,8 +35,10 @@ from kvhex.domain import (
 )
 from kvhex.domain.events import BlockRemoved, BlockStored
 from kvhex.domain.geometry import KvGeometry, KvGroup
+from kvhex.domain.tiers import TierIdentity
 from kvhex.domain.translate import EventTranslator
 from kvhex.service import TieringManager
+from kvhex.service.engine import announcer_for
 from tests.domain.requests import make_request, recompute
 from tests.service.harness import SLOT_BYTES, payload
 
@@ -82,9 +90,10 @@ class TieringMachine(RuleBasedStateMachine):
         self.requests: list[ReqContext] = []
         self.all_contexts: list[ReqContext] = []
         self.outstanding: list[tuple[ReqContext, list[OffloadKey]]] = []
-        self.replayed: dict[tuple[str, str | None], set[OffloadKey]] = {}
+        self.replayed: dict[TierIdentity, set[OffloadKey]] = {}
+        self.announcer = announcer_for(self.tiers)
         self.translator = EventTranslator(GEOMETRY)
-        self.counts: dict[tuple[str | None, str | None], dict[bytes | int, int]] = {}
+        self.public: dict[tuple[str | None, str | None, str | None], set[bytes | int]] = {}
         for _ in range(3):
             self._new_request()
 
@@ -198,10 +207,8 @@ class TieringMachine(RuleBasedStateMachine):
     @invariant()
     def replayed_events_reproduce_every_tier(self) -> None:
         raw = self.manager.take_events()
-        self._replay_public(self.translator.translate(list(raw)))
         for event in raw:
-            where = (event.tier.medium.name, event.tier.ownership)
-            resident = self.replayed.setdefault(where, set())
+            resident = self.replayed.setdefault(event.tier, set())
             if isinstance(event, Stored):
                 assert event.ctx is not None
                 assert any(event.ctx is c for c in self.all_contexts), "foreign context"
@@ -211,44 +218,60 @@ class TieringMachine(RuleBasedStateMachine):
             else:
                 assert isinstance(event, Cleared)
                 resident.clear()
+        self._replay_public(self.translator.translate(self.announcer.order(raw)))
         refs = {key(n): self.primary.ref_count(key(n)) for n in range(12)}
         readable = {k for k, ref in refs.items() if ref is not None and ref >= 0}
-        assert self.replayed.get(("CPU", None), set()) == readable
+        host = self.primary.identity
+        assert self.replayed.get(host, set()) == readable
         for store in self.tiers:
-            where = (store.identity.medium.name, store.identity.ownership)
-            assert self.replayed.get(where, set()) == set(store.keys())
-        self._check_public(("CPU", None), readable)
-        for store in self.tiers:
-            self._check_public(
-                (store.identity.medium.name, store.identity.ownership), set(store.keys())
-            )
+            assert self.replayed.get(store.identity, set()) == set(store.keys())
+        self._check_public(host, [(host, readable)])
+        storage = self.tiers[0].identity
+        self._check_public(storage, [(t.identity, set(t.keys())) for t in self.tiers])
 
     def _replay_public(self, events: list[object]) -> None:
         for event in events:
             if isinstance(event, BlockStored):
-                counts = self.counts.setdefault((event.medium, event.ownership), {})
-                for h in event.block_hashes:
-                    counts[h] = counts.get(h, 0) + 1
+                where = (event.medium, event.locality, event.ownership)
+                assert event.ownership is None, "an ownership name reached the stream"
                 if not event.is_placeholder:
+                    parent = event.parent_block_hash
+                    assert parent is None or any(parent in s for s in self.public.values()), (
+                        "a block announced before its parent"
+                    )
                     assert event.token_ids, "a full store names its tokens"
                     got = recompute(
-                        event.parent_block_hash,
-                        event.token_ids,  # type: ignore[arg-type]
+                        parent,  # type: ignore[arg-type]
+                        event.token_ids,
                         event.block_size,
                         event.extra_keys,
                         len(event.block_hashes),
                     )
                     assert got == event.block_hashes, "hashes do not recompute"
+                self.public.setdefault(where, set()).update(event.block_hashes)
             elif isinstance(event, BlockRemoved):
-                counts = self.counts.setdefault((event.medium, event.ownership), {})
-                for h in event.block_hashes:
-                    if counts.get(h, 0) > 0:  # removals of unknown hashes are ignored
-                        counts[h] -= 1
+                where = (event.medium, event.locality, event.ownership)
+                self.public.setdefault(where, set()).difference_update(event.block_hashes)
 
-    def _check_public(self, where: tuple[str, str | None], keys: set[OffloadKey]) -> None:
-        counts = self.counts.get(where, {})
-        published = {h for h, n in counts.items() if n > 0}
-        assert published == {k[:-4] for k in keys}, f"public replay differs on {where}"
+    def _check_public(
+        self, where: TierIdentity, tiers: list[tuple[TierIdentity, set[OffloadKey]]]
+    ) -> None:
+        """What a set-keeping consumer holds on ``where``'s public residency is what the tiers
+        announced there hold, less their keys waiting for a parent announced nowhere."""
+        expected: set[OffloadKey] = set()
+        for tier, keys in tiers:
+            waiting = self.announcer.waiting(tier)
+            for k in waiting:
+                n = DOC_HASHES.index(k[:-4])
+                assert n > 0, "a request's first chunk waits"
+                assert not self.announcer.is_announced(key(n - 1)), (
+                    "a key waits though its parent is announced"
+                )
+            expected |= keys - waiting
+        public = self.announcer.public(where)
+        locality = public.locality.value if public.locality else None
+        published = self.public.get((public.medium.name, locality, public.ownership), set())
+        assert published == {k[:-4] for k in expected}, f"public replay differs on {public}"
 
     def teardown(self) -> None:
         self.manager.shutdown()

@@ -48,10 +48,6 @@ def _stored(events: list[Any], medium: str) -> list[Any]:
     return [e for e in events if isinstance(e, vev.BlockStored) and e.medium == medium]
 
 
-def _by_tokens(events: list[Any]) -> list[Any]:
-    return sorted(events, key=lambda e: e.token_ids[0] if e.token_ids else -1)
-
-
 @pytest.fixture(autouse=True)
 def _registered() -> None:
     register()
@@ -93,20 +89,21 @@ def test_full_provenance_for_host_stores_late_tier_stores_and_promotions(
     for chunk, slot in enumerate(slots):
         host.slot_view(slot)[:] = bytes([chunk + 1]) * PAGE  # what the worker would copy
     driver.complete([job_id])
-    cpu = _by_tokens(_stored(driver.events, "CPU"))
-    assert [e.token_ids for e in cpu] == [PROMPT[i : i + 16] for i in range(0, 64, 16)]
-    assert all(e.block_size == 16 and e.kv_cache_spec_kind == "full_attention" for e in cpu)
-    assert [e.parent_block_hash for e in cpu[1:]] == [e.block_hashes[-1] for e in cpu[:-1]]
+    cpu = _stored(driver.events, "CPU")
+    # the job's four chunks, one chain as vLLM announces a request's GPU blocks
+    assert [e.token_ids for e in cpu] == [PROMPT]
+    assert len(cpu[0].block_hashes) == 4
+    assert (cpu[0].block_size, cpu[0].kv_cache_spec_kind) == (16, "full_attention")
     assert cpu[0].parent_block_hash is None
 
     # the request finishes; its cascade to the file tier completes afterwards, still in full
     driver.events.clear()
     driver.finish(first)
-    driver.until(lambda: len(_stored(driver.events, "STORAGE")) == 4)
-    storage = _by_tokens(_stored(driver.events, "STORAGE"))
+    driver.until(lambda: len(_stored(driver.events, "STORAGE")) == 1)
+    storage = _stored(driver.events, "STORAGE")
     assert [e.token_ids for e in storage] == [e.token_ids for e in cpu]
     assert [e.block_hashes for e in storage] == [e.block_hashes for e in cpu]
-    assert {e.ownership for e in storage} == {"fs"}
+    assert [(e.locality, e.ownership) for e in storage] == [(None, None)]  # vLLM's fs entry
 
     # reset: the host tier's chunks are announced removed (not AllBlocksCleared)
     driver.events.clear()
@@ -133,7 +130,7 @@ def test_full_provenance_for_host_stores_late_tier_stores_and_promotions(
         b"\x04",
     ]
     driver.complete([load_id])
-    promoted = _by_tokens(_stored(driver.events, "CPU"))
+    promoted = _stored(driver.events, "CPU")
     assert [e.token_ids for e in promoted] == [e.token_ids for e in cpu]
     assert [e.block_hashes for e in promoted] == [e.block_hashes for e in cpu]
 
@@ -162,11 +159,15 @@ def test_stock_connector_with_kvhex_spec_uses_vllms_own_tracker(
     assert driver.matched(req) == 0
     meta = driver.prefill(req)
     driver.complete(list(meta.store_jobs))
-    cpu = _by_tokens(_stored(driver.events, "CPU"))
+    cpu = _stored(driver.events, "CPU")
+    # vLLM's tracker announces each key, in the order kvhex gives them: parent first
     assert [e.token_ids for e in cpu] == [PROMPT[i : i + 16] for i in range(0, 64, 16)]
+    assert [e.parent_block_hash for e in cpu[1:]] == [e.block_hashes[-1] for e in cpu[:-1]]
     driver.finish(req)
     driver.until(lambda: len(_stored(driver.events, "STORAGE")) == 4)
-    assert {e.ownership for e in _stored(driver.events, "STORAGE")} == {"fs"}
+    storage = _stored(driver.events, "STORAGE")
+    assert [e.token_ids for e in storage] == [e.token_ids for e in cpu]
+    assert {(e.locality, e.ownership) for e in storage} == {(None, None)}
 
 
 def test_kvhex_connector_with_vllms_own_spec_behaves_like_vllms_connector(
@@ -236,7 +237,7 @@ def test_no_events_tracker_state_outlives_what_host_memory_holds(
         driver.complete(list(meta.store_jobs))
         driver.finish(req)
     tracker = connector.connector_scheduler._events_tracker  # vLLM's, in both versions
-    stored = len(_stored(driver.events, "CPU"))
+    stored = sum(len(e.block_hashes) for e in _stored(driver.events, "CPU"))
     assert stored == 160  # every store was announced in full either way
     held = len(tracker._pending_event_metadata)
     if kind == "KvhexOffloadingConnector":

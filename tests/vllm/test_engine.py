@@ -342,7 +342,7 @@ def test_events_on_vllms_zmq_publisher_are_full_and_replay_to_each_tiers_residen
                 ("CPU", None): Counter(
                     maybe_convert_block_hash(k[:-4]) for k, s in index.items() if refs[s] >= 0
                 ),
-                ("STORAGE", "fs"): Counter(maybe_convert_block_hash(k[:-4]) for k in in_files),
+                ("STORAGE", None): Counter(maybe_convert_block_hash(k[:-4]) for k in in_files),
                 ("GPU", None): Counter(
                     maybe_convert_block_hash(get_block_hash(k))
                     for k in scheduler(
@@ -365,6 +365,9 @@ def test_events_on_vllms_zmq_publisher_are_full_and_replay_to_each_tiers_residen
                 media.add(str(event.medium))
                 assert event.block_size == BLOCK, event
                 assert len(event.token_ids) == BLOCK * len(event.block_hashes), event
+                # parent first, across the GPU's events and kvhex's: a radix tree takes it
+                parent = event.parent_block_hash
+                assert parent is None or any(r[parent] > 0 for r in replay.values()), event
                 residency = replay.setdefault((str(event.medium), event.ownership), Counter())
                 residency.update(event.block_hashes)
             elif isinstance(event, BlockRemoved):

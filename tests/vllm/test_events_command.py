@@ -32,6 +32,15 @@ def test_vllms_publisher_is_replayed_decoded_and_checked() -> None:
             medium="GPU",
             lora_name="adapter-a",
         )
+        root = vev.BlockStored(
+            block_hashes=[b"\x0b" * 32],
+            parent_block_hash=None,
+            token_ids=list(range(16)),
+            block_size=16,
+            lora_id=None,
+            medium="CPU",
+            lora_name=None,
+        )
         cpu = vev.BlockStored(
             block_hashes=[b"\x0c" * 32],
             parent_block_hash=b"\x0b" * 32,
@@ -41,7 +50,7 @@ def test_vllms_publisher_is_replayed_decoded_and_checked() -> None:
             medium="CPU",
             lora_name=None,
         )
-        publisher.publish(vev.KVEventBatch(ts=time.time(), events=[gpu, cpu]))
+        publisher.publish(vev.KVEventBatch(ts=time.time(), events=[gpu, root, cpu]))
         publisher.publish(
             vev.KVEventBatch(ts=time.time(), events=[vev.BlockRemoved([12], medium="GPU")])
         )
@@ -56,7 +65,7 @@ def test_vllms_publisher_is_replayed_decoded_and_checked() -> None:
                 "--replay",
                 f"tcp://127.0.0.1:{replay}",
                 "--count",
-                "3",
+                "4",
                 "--duration",
                 "30",
                 "--json",
@@ -73,10 +82,11 @@ def test_vllms_publisher_is_replayed_decoded_and_checked() -> None:
     assert [(e["seq"], e["type"], e["medium"]) for e in events] == [
         (0, "BlockStored", "GPU"),
         (0, "BlockStored", "CPU"),
+        (0, "BlockStored", "CPU"),
         (1, "BlockRemoved", "GPU"),
     ]
     assert events[0]["block_hashes"] == [11, 12]
     assert events[0]["lora_name"] == "adapter-a"
-    assert events[1]["parent_block_hash"] == "0b" * 32
+    assert events[2]["parent_block_hash"] == "0b" * 32
     assert summary["consistent"] is True
-    assert summary["blocks"] == {"CPU": 1, "GPU": 1}
+    assert summary["blocks"] == {"CPU": 2, "GPU": 1}

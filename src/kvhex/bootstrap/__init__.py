@@ -47,7 +47,7 @@ from kvhex.plugins import POLICIES, TIERS, Registry
 from kvhex.ports.event_sink import EventSink
 from kvhex.ports.host_buffer import HostBuffer
 from kvhex.ports.tier_store import TierStore
-from kvhex.service.engine import OffloadEngine
+from kvhex.service.engine import OffloadEngine, announcer_for
 from kvhex.service.events import EventPipeline
 from kvhex.service.loading import LoadDecider
 from kvhex.service.tiering import TieringManager
@@ -82,14 +82,16 @@ log = structlog.get_logger(__name__)
 
 @attrs.frozen
 class TierSpec:
-    """A secondary tier to build: its plugin, ownership name, factory options, where errors
-    point in the configuration, and its admission policy (default: always admit)."""
+    """A secondary tier to build: its plugin, name, factory options, where errors point in
+    the configuration, its admission policy (default: always admit), and whether its events
+    name it as their ``ownership`` (default: they name none, as routers expect)."""
 
     plugin: str
     name: str
     options: Mapping[str, Any]
     paths: EntryPaths
     admission: Callable[[], AdmissionPolicy] = AlwaysAdmit
+    announce_ownership: bool = False
 
 
 def build_policy(name: str, capacity: int, registry: Registry, *, path: str) -> EvictionPolicy:
@@ -219,7 +221,9 @@ def _assemble(
         loading=load_decider(loading or LoadingConfig()),
     )
     pipeline = EventPipeline(translator or EventTranslator(), sinks)
-    return OffloadEngine(manager, pipeline), stores
+    owned = [s.identity for s, t in zip(stores, tiers, strict=True) if t.announce_ownership]
+    announcer = announcer_for(stores, owned)
+    return OffloadEngine(manager, pipeline, announcer), stores
 
 
 def load_decider(config: LoadingConfig) -> LoadDecider:
@@ -308,6 +312,7 @@ def _tier_spec(
         tier_options(registry, tier.type, name, tier.options, namespace),
         EntryPaths.of_table(f"$.tiers[{index}]"),
         AlwaysAdmit if tier.backpressure is None else tier.backpressure.policy,
+        tier.announce_ownership,
     )
 
 

@@ -100,6 +100,10 @@ class EventPrinter:
         lines.append(f"removals of hashes not stored: {unknown}")
         dups = _per_medium(summary["duplicate_stores"])
         lines.append(f"duplicate stores without removal: {dups}")
+        orphans = _per_medium(summary["orphan_stores"])
+        if summary["joined_late"] and summary["orphan_stores"]:
+            orphans += " (joined at a later sequence without --replay: not counted)"
+        lines.append(f"stores before their parent: {orphans}")
         lines.append(f"AllBlocksCleared: {summary['all_blocks_cleared']}")
         lines.append(f"blocks held at the end: {_per_medium(summary['blocks'])}")
         if summary["verdict"] == "inconsistent":

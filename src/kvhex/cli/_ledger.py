@@ -11,6 +11,8 @@ everything (docs/events.md). Replaying the stream so, the ledger records:
   seen from its start they mean a store was never announced or a removal was sent twice);
 * stores of hashes already held (counted, not an error: chunks that share blocks announce
   them with each chunk, which is why consumers count references);
+* full stores whose parent no residency holds (a radix-tree index, Dynamo's or llm-d's,
+  drops such a block: the stream must announce every parent first);
 * ``AllBlocksCleared`` events, and the blocks each medium holds at the end.
 
 A stream joined after its start (first sequence above 0, no replay) cannot tell a removal of
@@ -58,6 +60,7 @@ class StreamLedger:
     events: Counter[str] = attrs.Factory(Counter)
     unknown_removals: Counter[str] = attrs.Factory(Counter)
     duplicate_stores: Counter[str] = attrs.Factory(Counter)
+    orphan_stores: Counter[str] = attrs.Factory(Counter)
     clears: int = 0
     problems: list[str] = attrs.Factory(list)
     _held: dict[Residency, Counter[bytes | int]] = attrs.Factory(dict)
@@ -87,6 +90,9 @@ class StreamLedger:
         self.events[kind] += 1
         if isinstance(event, BlockStored):
             label, held = self._residency(event)
+            parent = event.parent_block_hash
+            if event.block_size and parent is not None and not self._holds(parent):
+                self.orphan_stores[label] += 1
             for h in event.block_hashes:
                 if held[h]:
                     self.duplicate_stores[label] += 1
@@ -104,6 +110,9 @@ class StreamLedger:
         elif isinstance(event, AllBlocksCleared):
             self.clears += 1
             self._held.clear()
+
+    def _holds(self, block_hash: bytes | int) -> bool:
+        return any(held[block_hash] for held in self._held.values())
 
     def _residency(self, event: BlockStored | BlockRemoved) -> tuple[str, Counter[bytes | int]]:
         key = (event.medium, event.locality, event.ownership, event.group_idx)
@@ -136,6 +145,9 @@ class StreamLedger:
             out.append(f"{self.undecodable} batch(es) did not decode")
         if self.unknown_removals and not self.joined_late:
             out.append(f"{sum(self.unknown_removals.values())} removal(s) of hashes not stored")
+        if self.orphan_stores and not self.joined_late:
+            n = sum(self.orphan_stores.values())
+            out.append(f"{n} store(s) announced before their parent")
         return out
 
     @property
@@ -164,6 +176,7 @@ class StreamLedger:
             "undecodable": self.undecodable,
             "unknown_removals": dict(sorted(self.unknown_removals.items())),
             "duplicate_stores": dict(sorted(self.duplicate_stores.items())),
+            "orphan_stores": dict(sorted(self.orphan_stores.items())),
             "all_blocks_cleared": self.clears,
             "blocks": self.blocks(),
             "problems": self.failures(),

@@ -55,8 +55,8 @@ def add_parser(
         description="Subscribe to a ZMQ KV-event publisher (kvhex's or vLLM's), or read a "
         "JSONL file kvhex wrote, print each event, and report at the end whether the stream "
         "is consistent: sequence gaps, removals of blocks never stored, duplicate stores, "
-        "AllBlocksCleared, and the blocks each medium holds. Exit 0 consistent, 1 "
-        "inconsistent, 2 bad input, 3 nothing received.",
+        "blocks stored before their parent, AllBlocksCleared, and the blocks each medium "
+        "holds. Exit 0 consistent, 1 inconsistent, 2 bad input, 3 nothing received.",
     )
     parser.add_argument(
         "endpoint",

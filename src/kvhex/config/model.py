@@ -143,7 +143,7 @@ def _locality(value: Any) -> Locality:
         return value
     if isinstance(value, str) and value.upper() in Locality.__members__:
         return Locality[value.upper()]
-    raise ValueError(f"must be 'LOCAL' or 'REMOTE', got {value!r}")
+    raise ValueError(f"must be 'LOCAL', 'REMOTE' or 'SHARED', got {value!r}")
 
 
 def check_tier_name(value: Any) -> TierName:
@@ -266,8 +266,8 @@ def duplicate_tier_names(tiers: Iterable[tuple[str, str, str]]) -> list[ConfigIs
                 (
                     key,
                     f"tier name {name!r} is already used by {first[name]}; give each tier a "
-                    "name of its own (it is the ownership its events announce and names its "
-                    "stats)",
+                    "name of its own (it names its stats and logs, and the ownership of its "
+                    "events where they announce one)",
                 )
             )
         else:
@@ -394,12 +394,15 @@ class TierConfig:
     Attributes:
         type: the ``kvhex.tiers`` entry point (``fsspec``, ``nixl``, ``memory`` or a third
             party's).
-        name: the tier's ownership name in events, stats and logs (default: ``type``);
-            unique among the tiers.
+        name: the tier's name in stats and logs, and its ownership where events name it
+            (default: ``type``); unique among the tiers.
         options: keyword arguments of the tier's factory (besides the host buffer), checked
             against its signature before anything is built.
         backpressure: drop cascades to this tier while its puts are slow (default: every
             cascade is submitted).
+        announce_ownership: name the tier as the ``ownership`` of its events. Off by
+            default: routers read a residency by medium and locality, and Dynamo's indexer
+            drops every event that names an ownership (docs/events.md).
     """
 
     type: PluginName = attrs.field(
@@ -409,6 +412,7 @@ class TierConfig:
     name: str | None = attrs.field(default=None, validator=_validator(_optional(check_tier_name)))
     options: Options = attrs.field(factory=lambda: Options({}), validator=_validator(_options))
     backpressure: BackpressureConfig | None = None
+    announce_ownership: bool = False
 
 
 @attrs.frozen(kw_only=True)

@@ -92,15 +92,19 @@ class VllmTierOptions:
     """A tier entry's ``kvhex`` object: kvhex-only settings of that tier.
 
     Attributes:
-        name: the tier's ownership name (events, stats); unique among the tiers.
+        name: the tier's name (stats, logs, and the ownership of its events where they
+            announce one); unique among the tiers.
         capacity_bytes: bytes the tier may hold (``fs``: default the free space of its
             filesystem at start-up; ``obj``: default unbounded, as vLLM's).
         backpressure: kvhex's cascade admission for this tier (default: admit all).
+        announce_ownership: name the tier as the ``ownership`` of its events (off by
+            default: Dynamo's indexer drops events that name one).
     """
 
     name: TierName | None = None
     capacity_bytes: PositiveInt | None = None
     backpressure: BackpressureConfig | None = None
+    announce_ownership: bool = False
 
 
 @attrs.frozen(kw_only=True)

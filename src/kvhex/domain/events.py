@@ -18,6 +18,7 @@ from typing import Any, NamedTuple
 import attrs
 
 from kvhex.domain.keys import OffloadKey
+from kvhex.domain.locator import ChunkRecord
 from kvhex.domain.request import ReqContext
 from kvhex.domain.tiers import TierIdentity
 
@@ -38,11 +39,15 @@ __all__ = [
 @attrs.frozen(slots=True)
 class Stored:
     """``keys`` became readable on ``tier``; ``ctx`` is the request whose work stored them
-    (``None`` only for work with no request behind it)."""
+    (``None`` only for work with no request behind it). ``records``, one per key (``None``
+    where none is known), describes keys stored without a request at hand: blocks adopted at
+    a restart, or another instance's blocks on shared storage, from what the tier kept beside
+    them."""
 
     keys: tuple[OffloadKey, ...]
     tier: TierIdentity
     ctx: ReqContext | None = None
+    records: tuple[ChunkRecord | None, ...] | None = None
 
 
 @attrs.frozen(slots=True)

@@ -8,6 +8,10 @@ size from the chunk start to the boundary. Anything that does not check out (no 
 a cache kind whose blocks do not all stay valid, a request that rewrites tokens, a position
 past the tokens or hashes known, a hash that differs from the key) gives ``None``: the caller
 publishes a placeholder rather than a payload that could be wrong.
+
+A :class:`ChunkRecord` is the same description detached from its request, with the request's
+LoRA: what a tier keeps beside a block, so that a restart or another instance sharing the
+storage can announce the block in full (:func:`record_of`).
 """
 
 from __future__ import annotations
@@ -18,9 +22,10 @@ from typing import Any, NamedTuple
 from kvhex.domain.extra_keys import chunk_extra_keys
 from kvhex.domain.geometry import KvGroup
 from kvhex.domain.keys import GROUP_IDX_BYTES, OffloadKey
+from kvhex.domain.provenance import Provenance
 from kvhex.domain.request import ReqContext
 
-__all__ = ["Payload", "locate"]
+__all__ = ["ChunkRecord", "Payload", "chunk_parent", "locate", "record_of", "record_parent"]
 
 
 class Payload(NamedTuple):
@@ -34,12 +39,29 @@ class Payload(NamedTuple):
     group: KvGroup
 
 
+class ChunkRecord(NamedTuple):
+    """A stored chunk described in full without its request: everything its ``BlockStored``
+    says but where and by whom it is held (kept beside the block by tiers that persist it)."""
+
+    block_hashes: list[bytes]
+    parent_block_hash: bytes | None
+    token_ids: list[int]
+    block_size: int
+    extra_keys: list[tuple[Any, ...] | None] | None
+    group_idx: int
+    kv_cache_spec_kind: str | None
+    kv_cache_spec_sliding_window: int | None
+    lora_id: int | None
+    lora_name: str | None
+
+
 def _as_list(values: Sequence[int]) -> list[int]:
     return values if isinstance(values, list) else list(values)
 
 
-def locate(ctx: ReqContext | None, key: OffloadKey) -> Payload | None:
-    """The payload of ``key`` as stored by the request ``ctx``, or ``None`` (placeholder)."""
+def _span(ctx: ReqContext | None, key: OffloadKey) -> tuple[int, int, KvGroup, Provenance] | None:
+    """``(start, end, group, provenance)`` of ``key``'s chunk (or partial tail) in ``ctx``'s
+    tokens, once everything checks out; ``None`` otherwise (see the module docstring)."""
     if ctx is None:
         return None
     prov = ctx.provenance
@@ -50,16 +72,52 @@ def locate(ctx: ReqContext | None, key: OffloadKey) -> Payload | None:
         return None
     end = ctx.position(key)
     tph = prov.geometry.tokens_per_hash
-    hashes, tokens = prov.block_hashes, prov.token_ids
-    if end is None or end <= 0 or end % tph or end > len(tokens) or end // tph > len(hashes):
+    hashes = prov.block_hashes
+    if (
+        end is None
+        or end <= 0
+        or end % tph
+        or end > len(prov.token_ids)
+        or end // tph > len(hashes)
+        or hashes[end // tph - 1] != key[:-GROUP_IDX_BYTES]  # no longer this key's hashes
+    ):
         return None
-    if hashes[end // tph - 1] != key[:-GROUP_IDX_BYTES]:
-        return None  # the request's hashes no longer name this key
     tpc = group.tokens_per_chunk
-    if end % tpc == 0:
-        start, step = end - tpc, group.tokens_per_block
-    else:
-        start, step = end - end % tpc, tph
+    start = end - tpc if end % tpc == 0 else end - end % tpc
+    return start, end, group, prov
+
+
+def chunk_parent(ctx: ReqContext | None, key: OffloadKey) -> OffloadKey | bool | None:
+    """The key of the chunk before ``key``'s in ``ctx``'s request (same group), ``None`` for
+    the request's first chunk, or ``False`` when ``key`` cannot be described (a placeholder:
+    no parent is known). Cheaper than :func:`locate`: no payload is built."""
+    span = _span(ctx, key)
+    if span is None:
+        return False
+    start, _, _, prov = span
+    if not start:
+        return None
+    tph = prov.geometry.tokens_per_hash
+    return OffloadKey(prov.block_hashes[start // tph - 1] + key[-GROUP_IDX_BYTES:])
+
+
+def record_parent(record: ChunkRecord) -> OffloadKey | None:
+    """The key of the chunk before ``record``'s (``None`` for a request's first chunk)."""
+    parent = record.parent_block_hash
+    if parent is None:
+        return None
+    return OffloadKey(parent + record.group_idx.to_bytes(GROUP_IDX_BYTES, "big"))
+
+
+def locate(ctx: ReqContext | None, key: OffloadKey) -> Payload | None:
+    """The payload of ``key`` as stored by the request ``ctx``, or ``None`` (placeholder)."""
+    span = _span(ctx, key)
+    if span is None:
+        return None
+    start, end, group, prov = span
+    tph = prov.geometry.tokens_per_hash
+    hashes = prov.block_hashes
+    step = group.tokens_per_block if end - start == group.tokens_per_chunk else tph
     per_block = step // tph
     first = start // tph
     if per_block == 1:
@@ -69,8 +127,30 @@ def locate(ctx: ReqContext | None, key: OffloadKey) -> Payload | None:
     return Payload(
         block_hashes=block_hashes,
         parent_block_hash=hashes[first - 1] if first else None,
-        token_ids=_as_list(tokens[start:end]),
+        token_ids=_as_list(prov.token_ids[start:end]),
         block_size=step,
         extra_keys=chunk_extra_keys(prov, start, end, step),
         group=group,
+    )
+
+
+def record_of(ctx: ReqContext | None, key: OffloadKey) -> ChunkRecord | None:
+    """``key``'s chunk as stored by ``ctx``'s request, detached from the request (tokens and
+    hashes copied), or ``None`` where only a placeholder could be announced."""
+    payload = locate(ctx, key)
+    if payload is None or ctx is None or ctx.provenance is None:
+        return None
+    prov = ctx.provenance
+    group = payload.group
+    return ChunkRecord(
+        payload.block_hashes,
+        payload.parent_block_hash,
+        list(payload.token_ids),
+        payload.block_size,
+        payload.extra_keys,
+        group.group_idx,
+        group.kind_name,
+        group.sliding_window,
+        prov.lora_id,
+        prov.lora_name,
     )

@@ -97,6 +97,7 @@ class PrimaryTier:
         "_index",
         "_key_length",
         "_loads",
+        "_offered",
         "_pending",
         "_policy",
         "_pool",
@@ -133,6 +134,9 @@ class PrimaryTier:
         self._record_events = record_events
         self._index: dict[OffloadKey, int] = {}
         self._refs: list[int] = [0] * num_slots
+        # per slot: when its pending write was prepared, so a completion the engine reports
+        # in another order (vLLM passes a set) announces the keys in the order offered
+        self._offered: list[int] = [0] * num_slots
         self._events: list[TierEvent] = []
         self._pending = 0
         self._evictable = 0
@@ -350,10 +354,13 @@ class PrimaryTier:
             if self._record_events:
                 self._events.append(Removed(tuple(victims), self.identity))
         slots = pool.allocate(n)
-        refs = self._refs
+        refs, offered = self._refs, self._offered
+        seq = self._prepared
         for key, slot in zip(candidates, slots, strict=True):
             index[key] = slot
             refs[slot] = -1
+            offered[slot] = seq
+            seq += 1
         self._policy.insert(candidates)
         self._pending += n
         self._prepared += n
@@ -376,8 +383,10 @@ class PrimaryTier:
         second completion, or an over-broad key list, is a no-op for the others.
 
         On success the keys become readable and evictable and one ``Stored`` (carrying
-        ``ctx``) is appended. On failure their slots are freed and nothing is announced.
-        Returns the keys this call completed (made readable, or freed on failure).
+        ``ctx``) is appended, its keys in the order :meth:`prepare_store` was offered them
+        (whatever order ``keys`` has: an engine may report a job's keys as a set). On
+        failure their slots are freed and nothing is announced. Returns the keys this call
+        completed (made readable, or freed on failure).
 
         ``pin`` > 0 completes and pins the stored keys that many times in one step (one pin
         per secondary tier about to read them), each released by one :meth:`unpin`.
@@ -393,6 +402,9 @@ class PrimaryTier:
             if not done:
                 return done
             n = len(done)
+            if n > 1:  # in the order the keys were offered: a request's chunks parent first
+                offered = self._offered
+                done.sort(key=lambda k: offered[index[k]])
             if pin:
                 self._policy.mark_pinned(done)
             else:

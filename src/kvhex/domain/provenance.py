@@ -43,6 +43,10 @@ class Provenance:
         session_id: the engine's session id, announced as is.
         mutates_tokens: the engine may rewrite tokens after hashing them (then events carry
             placeholders: tokens read at translation time could differ from those hashed).
+        device_events: the engine announces this request's blocks on its device itself,
+            before kvhex's events of the same step (vLLM's GPU events): a chunk whose parent
+            no kvhex tier announced is announced at the end of its step, its parent being the
+            device's, instead of waiting for a kvhex tier to announce the parent.
     """
 
     geometry: KvGeometry
@@ -55,6 +59,7 @@ class Provenance:
     prompt_embeds_digest: Callable[[int, int], bytes] | None = None
     session_id: str | None = None
     mutates_tokens: bool = False
+    device_events: bool = False
     _hash_index: dict[bytes, int] = attrs.field(factory=dict, init=False, repr=False)
     _indexed: int = attrs.field(default=0, init=False, repr=False)
 

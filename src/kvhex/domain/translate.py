@@ -1,14 +1,21 @@
 """Raw tier events -> public events (``BlockStored`` / ``BlockRemoved``), with provenance.
 
-A raw ``Stored`` carries the exact ``ReqContext`` whose work stored its keys; each key becomes
-one ``BlockStored``: full when the context resolves it (see ``locator``), a placeholder
-(``token_ids=[]``, ``block_size=0``, the key's single hash) otherwise. Translation is the last
-use of the context: the raw event, and with it the context, is released afterwards.
+A raw ``Stored`` carries the exact ``ReqContext`` whose work stored its keys (or, for keys
+stored with no request at hand, the ``ChunkRecord`` its tier kept). Its keys are announced as
+chains: consecutive keys where each chunk's parent is the previous chunk's last block become
+one full ``BlockStored`` (the hashes of every block in order, the parent of the first, the
+tokens and per-block extra keys of all), as vLLM announces a request's GPU blocks; a chain
+breaks only where it must (a placeholder, another group or block size, a gap). A key the
+context cannot resolve (see ``locator``) is a placeholder (``token_ids=[]``,
+``block_size=0``, the key's single hash). The ``Announcer`` hands the keys over in runs,
+parent first; translation is the last use of the context: the raw event, and with it the
+context, is released afterwards.
 
-For removals only the detached chunk hashes are kept, per residency ``(medium, ownership)``,
-from a key's first translated store until its last residency is removed (evaluated after the
-whole batch, so a removal followed by a store of the same key in one batch keeps them). A
-removal of several keys gives one ``BlockRemoved`` per KV group with every constituent hash.
+For removals only the detached chunk hashes are kept, per residency (medium, locality,
+ownership), from a key's first translated store until its last residency is removed (evaluated
+after the whole batch, so a removal followed by a store of the same key in one batch keeps
+them). A removal of several keys gives one ``BlockRemoved`` per KV group with every
+constituent hash.
 
 A tier-wide ``Cleared`` (a reset) becomes per-key ``BlockRemoved`` events for exactly the keys
 that tier held, with its medium, locality and ownership, rather than ``AllBlocksCleared``:
@@ -19,7 +26,7 @@ other tier's blocks.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import cast
+from typing import Any, cast
 
 from kvhex.domain.events import (
     BlockRemoved,
@@ -39,7 +46,75 @@ from kvhex.domain.tiers import TierIdentity
 __all__ = ["EventTranslator"]
 
 _MASK64 = (1 << 64) - 1
-Residency = tuple[str, str | None]
+Residency = tuple[str, str | None, str | None]
+"""(medium, locality, ownership): one residency of announced keys."""
+
+ExtraKeys = list[tuple[Any, ...] | None]
+
+
+def _residency(tier: TierIdentity) -> Residency:
+    return tier.medium.name, tier.locality.value if tier.locality else None, tier.ownership
+
+
+class _Chain:
+    """A ``BlockStored`` being built from consecutive keys of one ``Stored``."""
+
+    __slots__ = (
+        "block_size",
+        "extra_keys",
+        "group_idx",
+        "hashes",
+        "kind",
+        "last",
+        "lora_id",
+        "lora_name",
+        "owned",
+        "parent",
+        "tokens",
+        "window",
+    )
+
+    def __init__(
+        self,
+        *,
+        hashes: list[bytes],
+        parent: bytes | None,
+        tokens: list[int],
+        block_size: int,
+        extra_keys: ExtraKeys | None,
+        group_idx: int,
+        kind: str | None,
+        window: int | None,
+        lora_id: int | None,
+        lora_name: str | None,
+    ) -> None:
+        self.hashes = hashes
+        self.parent = parent
+        self.tokens = tokens
+        self.block_size = block_size
+        self.extra_keys = extra_keys
+        self.group_idx = group_idx
+        self.kind = kind
+        self.window = window
+        self.lora_id = lora_id
+        self.lora_name = lora_name
+        self.last = hashes[-1]
+        self.owned = False
+
+    def extend(self, hashes: list[bytes], tokens: list[int], extra_keys: ExtraKeys | None) -> None:
+        if not self.owned:  # the first key's lists are its payload's: copy before growing
+            self.owned = True
+            self.hashes = list(self.hashes)
+            self.tokens = list(self.tokens)
+            if self.extra_keys is not None:
+                self.extra_keys = list(self.extra_keys)
+        if extra_keys is not None and self.extra_keys is None:
+            self.extra_keys = [None] * len(self.hashes)
+        if self.extra_keys is not None:
+            self.extra_keys.extend(extra_keys if extra_keys is not None else [None] * len(hashes))
+        self.hashes.extend(hashes)
+        self.tokens.extend(tokens)
+        self.last = hashes[-1]
 
 
 class EventTranslator:
@@ -58,12 +133,14 @@ class EventTranslator:
         self._hashes: dict[OffloadKey, list[bytes]] = {}
         self._resident: dict[Residency, dict[OffloadKey, None]] = {}
         self.full_stores = 0
+        """Keys announced in full."""
         self.placeholder_stores = 0
+        """Keys announced as placeholders."""
 
     # -- queries -------------------------------------------------------------------------
-    def resident_keys(self, medium: str, ownership: str | None) -> list[OffloadKey]:
-        """Keys announced stored and not yet removed on that residency."""
-        return list(self._resident.get((medium, ownership), ()))
+    def resident_keys(self, tier: TierIdentity) -> list[OffloadKey]:
+        """Keys announced stored on ``tier``'s residency and not removed since."""
+        return list(self._resident.get(_residency(tier), ()))
 
     @property
     def detached_keys(self) -> int:
@@ -81,8 +158,7 @@ class EventTranslator:
             elif isinstance(event, Removed):
                 self._removed(event.keys, event.tier, out, maybe_gone)
             elif isinstance(event, Cleared):
-                where = (event.tier.medium.name, event.tier.ownership)
-                keys = self._resident.get(where)
+                keys = self._resident.get(_residency(event.tier))
                 if keys:
                     self._removed(tuple(keys), event.tier, out, maybe_gone)
         for key in maybe_gone:
@@ -97,53 +173,93 @@ class EventTranslator:
 
     def _stored(self, event: Stored, out: list[PublicEvent]) -> None:
         tier = event.tier
-        medium = tier.medium.name
-        ownership = tier.ownership
-        locality = tier.locality.value if tier.locality else None
-        resident = self._resident.setdefault((medium, ownership), {})
+        medium, locality, ownership = where = _residency(tier)
+        resident = self._resident.setdefault(where, {})
         detached = self._hashes
         ctx = event.ctx
         prov = ctx.provenance if ctx is not None else None
-        if prov is not None:
-            lora_id, lora_name, session_id = prov.lora_id, prov.lora_name, prov.session_id
-        append = out.append
-        for key in event.keys:
-            payload = locate(ctx, key) if prov is not None else None
-            if payload is not None:
-                hashes, parent, token_ids, block_size, extra_keys, group = payload
-                if self.int_hashes:
-                    ext = self._ext
-                    published: list[ExternalHash] = [ext(h) for h in hashes]
-                    parent_published = None if parent is None else ext(parent)
-                else:
-                    published = cast("list[ExternalHash]", hashes)
-                    parent_published = parent
-                # positional: one event per stored chunk, this is the hot loop
-                append(
-                    BlockStored(
-                        published,
-                        parent_published,
-                        token_ids,
-                        block_size,
-                        lora_id,
-                        medium,
-                        lora_name,
-                        extra_keys,
-                        group.group_idx,
-                        group.kind_name,
-                        group.sliding_window,
-                        locality,
-                        ownership,
-                        session_id,
-                    )
-                )
-                detached[key] = hashes  # shared with the event: events are read-only
-                self.full_stores += 1
+        session_id = prov.session_id if prov is not None else None
+        records = event.records
+        chain: _Chain | None = None
+        for i, key in enumerate(event.keys):
+            record = records[i] if records is not None else None
+            if record is not None:
+                hashes, parent, tokens, block_size, extra_keys, group_idx = record[:6]
+                kind, window, lora_id, lora_name = record[6:]
             else:
-                append(self._placeholder(key, medium, locality, ownership, event))
-                detached.setdefault(key, [key[:-GROUP_IDX_BYTES]])
-                self.placeholder_stores += 1
+                payload = locate(ctx, key) if prov is not None else None
+                if payload is None:
+                    if chain is not None:
+                        self._flush(chain, where, session_id, out)
+                        chain = None
+                    out.append(self._placeholder(key, medium, locality, ownership, event))
+                    detached.setdefault(key, [key[:-GROUP_IDX_BYTES]])
+                    self.placeholder_stores += 1
+                    resident[key] = None
+                    continue
+                hashes, parent, tokens, block_size, extra_keys, group = payload
+                assert prov is not None
+                group_idx, kind, window = group.group_idx, group.kind_name, group.sliding_window
+                lora_id, lora_name = prov.lora_id, prov.lora_name
+            detached[key] = hashes  # shared with the event: events are read-only
+            self.full_stores += 1
             resident[key] = None
+            if (
+                chain is not None
+                and parent == chain.last
+                and block_size == chain.block_size
+                and group_idx == chain.group_idx
+                and lora_name == chain.lora_name
+            ):
+                chain.extend(hashes, tokens, extra_keys)
+                continue
+            if chain is not None:
+                self._flush(chain, where, session_id, out)
+            chain = _Chain(
+                hashes=hashes,
+                parent=parent,
+                tokens=tokens,
+                block_size=block_size,
+                extra_keys=extra_keys,
+                group_idx=group_idx,
+                kind=kind,
+                window=window,
+                lora_id=lora_id,
+                lora_name=lora_name,
+            )
+        if chain is not None:
+            self._flush(chain, where, session_id, out)
+
+    def _flush(
+        self, chain: _Chain, where: Residency, session_id: str | None, out: list[PublicEvent]
+    ) -> None:
+        medium, locality, ownership = where
+        if self.int_hashes:
+            ext = self._ext
+            published: list[ExternalHash] = [ext(h) for h in chain.hashes]
+            parent: ExternalHash | None = None if chain.parent is None else ext(chain.parent)
+        else:
+            published = cast("list[ExternalHash]", chain.hashes)
+            parent = chain.parent
+        # positional: one event per chain, this is the hot loop
+        out.append(
+            BlockStored(
+                published,
+                parent,
+                chain.tokens,
+                chain.block_size,
+                chain.lora_id,
+                medium,
+                chain.lora_name,
+                chain.extra_keys,
+                chain.group_idx,
+                chain.kind,
+                chain.window,
+                locality,
+                ownership,
+                session_id,
+            )
+        )
 
     def _placeholder(
         self,
@@ -181,8 +297,8 @@ class EventTranslator:
         out: list[PublicEvent],
         maybe_gone: list[OffloadKey],
     ) -> None:
-        medium = tier.medium.name
-        resident = self._resident.get((medium, tier.ownership), {})
+        medium, locality, ownership = where = _residency(tier)
+        resident = self._resident.get(where, {})
         by_group: dict[int, list[ExternalHash]] = {}
         ext = self._ext
         for key in keys:
@@ -191,6 +307,5 @@ class EventTranslator:
             group.extend(ext(h) for h in detached)
             resident.pop(key, None)
             maybe_gone.append(key)
-        locality = tier.locality.value if tier.locality else None
         for group_idx, group_hashes in by_group.items():
-            out.append(BlockRemoved(group_hashes, medium, group_idx, locality, tier.ownership))
+            out.append(BlockRemoved(group_hashes, medium, group_idx, locality, ownership))

@@ -26,7 +26,7 @@ from kvhex.domain.request import ReqContext
 from kvhex.domain.tiers import TierIdentity
 from kvhex.ports.events import EventSource
 
-__all__ = ["Occupancy", "RequestAware", "TierStore"]
+__all__ = ["Occupancy", "PeerView", "RequestAware", "TierStore"]
 
 
 @runtime_checkable
@@ -114,4 +114,19 @@ class Occupancy(Protocol):
     @property
     def capacity_bytes(self) -> int:
         """Bytes the tier may hold."""
+        ...
+
+
+@runtime_checkable
+class PeerView(Protocol):
+    """Optional for a ``TierStore`` on storage other instances share: it also announces the
+    blocks the other instances hold there (which its gets can load), under
+    ``peer_identity``, and their removal when it sees them go. The engine announces the two
+    identities as one residency: a key is announced while this instance or another holds
+    it. Its ``take_events`` then holds events of both identities."""
+
+    @property
+    def peer_identity(self) -> TierIdentity:
+        """The identity of the other instances' blocks in this tier's events (never its
+        ``identity``)."""
         ...

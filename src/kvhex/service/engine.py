@@ -9,8 +9,9 @@ is a thin translation. It owns the lifecycle: after ``shutdown`` every call rais
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Iterable, Sequence
 
+from kvhex.domain.announce import Announcer
 from kvhex.domain.events import PublicEvent, TierEvent
 from kvhex.domain.geometry import KvGeometry
 from kvhex.domain.keys import OffloadKey
@@ -18,25 +19,51 @@ from kvhex.domain.primary import StorePlan
 from kvhex.domain.request import ReqContext
 from kvhex.domain.tiers import LookupResult, OffloadPolicy, TierIdentity
 from kvhex.errors import StateError
+from kvhex.ports.tier_store import PeerView, TierStore
 from kvhex.service.events import EventPipeline
 from kvhex.service.tiering import TieringManager, TieringStats
 
-__all__ = ["OffloadEngine"]
+__all__ = ["OffloadEngine", "announcer_for"]
+
+
+def announcer_for(tiers: Iterable[TierStore], owned: Collection[TierIdentity] = ()) -> Announcer:
+    """The announcer of an engine over ``tiers``: each tier announced with its medium and
+    locality and, unless its identity is in ``owned``, no ownership name. Routers read a
+    residency by medium and locality (Dynamo's indexer drops every event that names an
+    ownership, as it drops localities but ``LOCAL``); vLLM's own file and object tiers name
+    none either. A ``PeerView`` tier's other instances' blocks are announced as the tier."""
+    publish_as = {}
+    for store in tiers:
+        tier = store.identity
+        public = tier if tier in owned else TierIdentity(tier.medium, tier.locality, None)
+        publish_as[tier] = public
+        if isinstance(store, PeerView):
+            publish_as[store.peer_identity] = public
+    return Announcer(publish_as)
 
 
 class OffloadEngine:
     """What an engine talks to: a tiering manager behind vLLM's manager contract."""
 
-    __slots__ = ("_closed", "_has_tiers", "_manager", "_pipeline")
+    __slots__ = ("_announcer", "_closed", "_has_tiers", "_manager", "_pipeline")
 
-    def __init__(self, manager: TieringManager, pipeline: EventPipeline | None = None) -> None:
+    def __init__(
+        self,
+        manager: TieringManager,
+        pipeline: EventPipeline | None = None,
+        announcer: Announcer | None = None,
+    ) -> None:
         """Args:
         manager: the tiering manager.
         pipeline: translates raw tier events into public events with provenance and
             publishes them to its sinks (default: translation only, no sink).
+        announcer: orders the tiers' raw events parent-first and says under which identity
+            each tier is announced (default: :func:`announcer_for` the manager's tiers, no
+            ownership names).
         """
         self._manager = manager
         self._pipeline = pipeline or EventPipeline()
+        self._announcer = announcer or announcer_for(manager.tier_stores)
         self._closed = False
         self._has_tiers = bool(manager.stats().tiers)  # the tiers are fixed at construction
 
@@ -102,13 +129,15 @@ class OffloadEngine:
         return self._pipeline.process(self.take_raw_events(exclude))
 
     def take_raw_events(self, exclude: Collection[TierIdentity] = ()) -> list[TierEvent]:
-        """This step's raw tier events, untranslated and unpublished, for a host engine that
-        translates them itself (vLLM's own events tracker); ``exclude`` as for
-        ``take_events``. Either this or ``take_events`` drains a step's events, not both."""
+        """This step's raw tier events as they are announced (public identities, each
+        residency's keys once, stores parent-first in chains: see ``Announcer``), untranslated
+        and unpublished, for a host engine that translates them itself (vLLM's own events
+        tracker); ``exclude`` as for ``take_events``. Either this or ``take_events`` drains a
+        step's events, not both."""
         raw = self._live("take_events").take_events()
         if exclude:
             raw = [event for event in raw if event.tier not in exclude]
-        return raw
+        return self._announcer.order(raw)
 
     def set_geometry(self, geometry: KvGeometry | None) -> None:
         """Describe full events with ``geometry`` (the model's KV groups) from now on; load
@@ -145,12 +174,18 @@ class OffloadEngine:
             return
         self._manager.shutdown()
         self._closed = True
-        self._pipeline.process(self._manager.take_events())  # the final events still go out
+        # the final events still go out
+        self._pipeline.process(self._announcer.order(self._manager.take_events()))
         self._pipeline.close()
 
     def stats(self) -> TieringStats:
         """Counters of the host tier and every secondary tier."""
         return self._manager.stats()
+
+    @property
+    def announcer(self) -> Announcer:
+        """Orders and relabels the tiers' events before they are announced."""
+        return self._announcer
 
     @property
     def pipeline(self) -> EventPipeline:

@@ -5,7 +5,10 @@ message ``(topic, sequence as 8-byte big-endian, msgpack payload)``; a subscribe
 batches sends the first sequence it wants (8-byte big-endian) to the replay socket (a DEALER
 talking to our ROUTER) and receives every buffered ``(topic, sequence, payload)`` from there
 on, then an end marker ``(b"", -1 as 8-byte signed big-endian, b"")``. The endpoint's TCP port
-is offset by the data-parallel rank (``inproc`` endpoints get a ``_dp{rank}`` suffix).
+is offset by the data-parallel rank (``inproc`` endpoints get a ``_dp{rank}`` suffix). A
+subscriber asking from a sequence older than the buffer gets, first, a snapshot of what the
+older batches still announce (:class:`~kvhex.adapters.events.replay.ReplayLog`): nothing a
+late or restarted indexer asks for is lost.
 
 Bind or connect is said, not guessed: the PUB socket binds ``endpoint`` (``tcp://127.0.0.1:N``
 is reachable from this machine only, ``tcp://*:N`` from everywhere) unless ``connect=True``
@@ -21,12 +24,12 @@ import itertools
 import queue
 import threading
 import time
-from collections import deque
 
 import structlog
 import zmq
 
 from kvhex.adapters.events.endpoints import endpoint_problem, refusal
+from kvhex.adapters.events.replay import ReplayLog
 from kvhex.adapters.events.wire import encode_batch
 from kvhex.domain.events import EventBatch
 from kvhex.errors import ConfigError
@@ -76,7 +79,9 @@ class ZmqEventSink:
         connect: connect the PUB socket to ``endpoint`` instead of binding it (the
             subscriber or a broker binds).
         data_parallel_rank: offsets the ports; stamped on batches that carry none.
-        buffer_steps: batches kept for replay.
+        buffer_steps: batches kept whole for replay; older ones are folded into a snapshot
+            of the blocks they still announce, sent first to a subscriber asking from
+            before the buffer.
         hwm: the PUB socket's high-water mark.
         max_queue_size: batches queued for the sender thread before ``publish`` blocks.
         topic: the first frame of every message.
@@ -122,7 +127,7 @@ class ZmqEventSink:
             zmq.Context.instance() if inproc else zmq.Context()
         )
         self._queue: queue.Queue[EventBatch | None] = queue.Queue(maxsize=max_queue_size)
-        self._buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_steps)
+        self._log = ReplayLog(buffer_steps, encode_batch)
         self._topic = topic.encode("utf-8")
         self._seq = itertools.count()
         self._pub = self._ctx.socket(zmq.PUB)
@@ -211,7 +216,7 @@ class ZmqEventSink:
             except zmq.ZMQError as exc:
                 log.warning("zmq_publish_failed", seq=seq, error=repr(exc))
                 time.sleep(0.01)
-            self._buffer.append((seq, payload))
+            self._log.append(seq, batch, payload)
 
     def _serve_replay(self) -> None:
         assert self._replay is not None
@@ -221,9 +226,6 @@ class ZmqEventSink:
             return
         client, _, start = frames
         first = int.from_bytes(start, "big")
-        for seq, payload in list(self._buffer):
-            if seq >= first:
-                self._replay.send_multipart(
-                    (client, b"", self._topic, seq.to_bytes(8, "big"), payload)
-                )
+        for seq, payload in self._log.since(first):
+            self._replay.send_multipart((client, b"", self._topic, seq.to_bytes(8, "big"), payload))
         self._replay.send_multipart((client, b"", b"", END_SEQ, b""))

@@ -179,6 +179,7 @@ def build_engine(
             _tier_options(tier, registry, namespace),
             tier.paths,
             _admission(tier),
+            tier.announce_ownership,
         )
         for tier in settings.tiers
     ]

@@ -23,6 +23,7 @@ from vllm.v1.kv_offload import base as vbase
 from kvhex.adapters.vllm.compat import block_stored
 from kvhex.domain import events as kev
 from kvhex.domain.geometry import KvGeometry
+from kvhex.domain.primary import PRIMARY_IDENTITY
 from kvhex.domain.provenance import MmFeature, Provenance
 from kvhex.domain.request import ReqContext
 from kvhex.domain.tiers import (
@@ -100,7 +101,8 @@ def context_of(vctx: vbase.ReqContext) -> tuple[ReqContext, bool]:
 def provenance_of(request: Any, geometry: KvGeometry) -> Provenance:
     """The provenance of a live vLLM ``Request``: references (not copies) to its token ids
     and block hashes, its LoRA, multimodal features, cache salt and prompt-embedding digests,
-    exactly as vLLM's block hasher used them."""
+    exactly as vLLM's block hasher used them; its blocks are on the GPU, which announces
+    them itself."""
     lora = request.lora_request
     features = tuple(
         sorted(
@@ -130,6 +132,9 @@ def provenance_of(request: Any, geometry: KvGeometry) -> Provenance:
         cache_salt=request.cache_salt or None,
         prompt_embeds_digest=digest,
         session_id=getattr(request, "session_id", None),
+        # kvhex's events go out only with vLLM's KV events on, and then vLLM's GPU prefix
+        # cache announces every block of the request, before kvhex's events of each step
+        device_events=True,
     )
 
 
@@ -146,10 +151,11 @@ def _vmedium(tier: TierIdentity) -> vbase.Medium:
 def offloading_events(raw: Iterable[kev.TierEvent]) -> list[vbase.OffloadingEvent]:
     """kvhex raw tier events -> vLLM ``OffloadingEvent``s for vLLM's events tracker.
 
-    A secondary tier's events carry its ownership name and ``removal_expected=True`` (kvhex
-    tiers announce their removals, so the tracker keeps the payload for them). ``Cleared``
-    (a reset) has no vLLM counterpart: vLLM's managers announce nothing on reset and its
-    scheduler drops the tracker's state instead.
+    ``raw`` is what the engine announces (``OffloadEngine.take_raw_events``: public
+    identities, parent first). A secondary tier's events say ``removal_expected=True``
+    (kvhex tiers announce their removals, so the tracker keeps the payload for them); the
+    host tier's are vLLM's CPU tier's. ``Cleared`` (a reset) has no vLLM counterpart: vLLM's
+    managers announce nothing on reset and its scheduler drops the tracker's state instead.
     """
     out: list[vbase.OffloadingEvent] = []
     for event in raw:
@@ -163,7 +169,7 @@ def offloading_events(raw: Iterable[kev.TierEvent]) -> list[vbase.OffloadingEven
                 removed=isinstance(event, kev.Removed),
                 locality=vbase.Locality(tier.locality.value) if tier.locality else None,
                 ownership=tier.ownership,
-                removal_expected=tier.ownership is not None,
+                removal_expected=tier != PRIMARY_IDENTITY,
             )
         )
     return out

@@ -48,13 +48,15 @@ class TierSettings:
         paths: where the entry and each option's key are in the extra config.
         type: the entry's vLLM ``type`` (``fs``, ``obj`` or ``KvhexSecondaryTier``).
         plugin: the ``kvhex.tiers`` entry point that implements it.
-        name: the tier's ownership name (events, stats); unique per engine.
+        name: the tier's name (stats, logs; the ownership of its events where they name
+            one); unique per engine.
         options: keyword arguments for the plugin (``host`` and ``namespace`` come later).
         enable_kv_events: announce this tier's stores and removals (vLLM's key; effective
             only with vLLM's global KV events on).
         locality: announced locality (vLLM's key), ``None`` when unspecified.
         backpressure: admission for cascades to this tier; ``None`` admits all.
         default_capacity: ``options`` has no ``capacity_bytes``: the builder picks one.
+        announce_ownership: the tier's events name it as their ``ownership``.
     """
 
     paths: EntryPaths
@@ -66,6 +68,7 @@ class TierSettings:
     locality: Locality | None = None
     backpressure: BackpressureConfig | None = None
     default_capacity: bool = False
+    announce_ownership: bool = False
 
 
 @attrs.frozen
@@ -160,6 +163,7 @@ def _tier(entry: VllmTierEntry, path: str, index: int) -> TierSettings:
         locality=entry.locality,
         backpressure=entry.kvhex.backpressure,
         default_capacity="capacity_bytes" not in options and entry.type != KVHEX_TIER_TYPE,
+        announce_ownership=entry.kvhex.announce_ownership,
     )
 
 

@@ -64,9 +64,9 @@ def test_store_cascade_reset_promote_and_restart_on_real_files(tmp_path: Path) -
         eng.take_events()
         time.sleep(0.005)
     stored = [e for b in sink.batches for e in b.events if isinstance(e, BlockStored)]
-    disk = [e for e in stored if e.medium == "STORAGE"]
-    assert len(disk) == 4
-    assert all(not e.is_placeholder and e.ownership == "disk" for e in disk)
+    (disk,) = [e for e in stored if e.medium == "STORAGE"]  # the put's 4 chunks: one chain
+    assert disk.block_hashes == [k[:-4] for k in keys]
+    assert not disk.is_placeholder and disk.ownership is None
     eng.reset()
     reader = make_request("r", list(range(16)), GEO)
     assert settle(eng, reader, keys[2]) is LookupResult.HIT

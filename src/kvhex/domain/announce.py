@@ -1,0 +1,356 @@
+"""``Announcer``: the tiers' raw events as they are announced, in an order routers can index.
+
+Routers (Dynamo's indexer, llm-d) keep a radix tree over block hashes: a block is usable only
+under a parent they hold, and a block announced before its parent may be dropped for good.
+Tiers append their raw events as their state changes, in no order a tree needs (a job's keys in
+any order, an IO thread's job finishing before an earlier one). Once per step the announcer
+turns them into the stream that is announced:
+
+* **What is announced where.** Each tier is announced under a public identity (medium,
+  locality, ownership; by default its own), and one public identity is one residency: a key
+  is announced ``Stored`` there when the first tier announcing under it holds the key, and
+  ``Removed`` when the last one lets it go. Consumers that do not reference-count
+  (Dynamo's indexer drops a block at its first removal) read the stream right.
+* **Parent first.** A stored key is announced only once its parent (the chunk before it in
+  its request, the same KV group) is announced in some residency and not removed since, or
+  when it has none (a request's first chunk), or when nothing is known of it (a
+  placeholder). A key whose parent is not announced waits, across steps if need be, and goes
+  out right after its parent; a key a tier removes while it waits is never announced. With
+  :attr:`Provenance.device_events` the engine announces the request's blocks on its device
+  itself, first: a chunk whose parent no tier announced goes out at the end of its step.
+* **Runs.** A raw ``Stored``'s keys leave as runs, each a chain of chunks in order (each
+  key's parent the key before it): the translator announces each run as one ``BlockStored``
+  (hashes in order, the parent of the first), as vLLM announces a request's GPU blocks.
+
+``Cleared`` leaves as the ``Removed`` of the keys its tier announced. Removal order carries no
+meaning: a removal never implies the removal of the removed block's descendants, and each
+removed block is named.
+
+Scheduler thread only; no IO, no clock.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable, Mapping
+from typing import cast
+
+from kvhex.domain.events import Cleared, Removed, Stored, TierEvent
+from kvhex.domain.keys import OffloadKey
+from kvhex.domain.locator import ChunkRecord, chunk_parent, record_parent
+from kvhex.domain.request import ReqContext
+from kvhex.domain.tiers import TierIdentity
+
+__all__ = ["Announcer"]
+
+_Parent = OffloadKey | None | bool
+"""A key's parent: a key, ``None`` (the request's first chunk), ``False`` (unknown)."""
+
+
+class _Run:
+    """Keys of one tier forming a chain (each key's parent the key before it)."""
+
+    __slots__ = ("ctx", "keys", "records", "tier")
+
+    def __init__(
+        self,
+        tier: TierIdentity,
+        keys: list[OffloadKey],
+        ctx: ReqContext | None,
+        records: list[ChunkRecord | None] | None,
+    ) -> None:
+        self.tier = tier
+        self.keys = keys
+        self.ctx = ctx
+        self.records = records
+
+
+class _Held:
+    """A stored key of one tier waiting for its parent to be announced."""
+
+    __slots__ = ("ctx", "device", "key", "parent", "record", "tier")
+
+    def __init__(
+        self,
+        *,
+        tier: TierIdentity,
+        key: OffloadKey,
+        parent: OffloadKey,
+        ctx: ReqContext | None,
+        record: ChunkRecord | None,
+        device: bool,
+    ) -> None:
+        self.tier = tier
+        self.key = key
+        self.parent = parent
+        self.ctx = ctx
+        self.record = record
+        self.device = device
+
+
+class Announcer:
+    """Orders, deduplicates and relabels raw tier events (see the module docstring).
+
+    Args:
+        publish_as: the public identity of each tier that is announced under another one
+            than its own (a tier absent from it is announced as itself).
+    """
+
+    __slots__ = (
+        "_announced",
+        "_device",
+        "_held",
+        "_holders",
+        "_live",
+        "_publish_as",
+        "_waiting",
+    )
+
+    def __init__(self, publish_as: Mapping[TierIdentity, TierIdentity] | None = None) -> None:
+        self._publish_as = dict(publish_as or {})
+        self._announced: dict[TierIdentity, set[OffloadKey]] = {}  # per tier: keys announced
+        self._holders: dict[tuple[TierIdentity, OffloadKey], int] = {}  # (public, key): tiers
+        self._live: dict[OffloadKey, int] = {}  # key -> public residencies announcing it
+        self._waiting: dict[OffloadKey, list[_Held]] = {}  # parent -> keys waiting for it
+        self._held: dict[TierIdentity, dict[OffloadKey, _Held]] = {}  # per tier: waiting keys
+        self._device: list[_Held] = []  # keys waiting this step whose parent is the device's
+
+    # -- queries -------------------------------------------------------------------------
+    def public(self, tier: TierIdentity) -> TierIdentity:
+        """The identity ``tier`` is announced under."""
+        return self._publish_as.get(tier, tier)
+
+    @property
+    def waiting_keys(self) -> int:
+        """Stored keys not announced yet: their parent is not announced."""
+        return sum(len(held) for held in self._held.values())
+
+    def waiting(self, tier: TierIdentity) -> frozenset[OffloadKey]:
+        """The keys ``tier`` stored that wait for their parent to be announced."""
+        return frozenset(self._held.get(tier, ()))
+
+    def is_announced(self, key: OffloadKey) -> bool:
+        """Whether ``key`` is announced in some residency (and not removed since)."""
+        return key in self._live
+
+    # -- the step's events ---------------------------------------------------------------
+    def order(self, raw: Iterable[TierEvent]) -> list[TierEvent]:
+        """The events to announce for ``raw`` (one step's, in the tiers' order): public
+        identities, each residency's keys once, stores parent-first in runs."""
+        out: list[TierEvent] = []
+        for event in raw:
+            if type(event) is Stored:
+                self._stored(event, out)
+            elif type(event) is Removed:
+                self._removed(event.keys, event.tier, out)
+            elif isinstance(event, Cleared):
+                self._removed(tuple(self._announced.get(event.tier, ())), event.tier, out)
+                for held in list(self._held.get(event.tier, {}).values()):
+                    self._unhold(held)
+        if self._device:
+            # the engine's device announced these keys' parents before this step's events
+            device, self._device = self._device, []
+            waiting = {(h.tier, h.key): h for h in device if self._is_held(h)}
+            for held in waiting.values():
+                if (held.tier, held.parent) not in waiting and self._is_held(held):
+                    self._unhold(held)
+                    self._emit(self._chain_from(held), out)
+        return out
+
+    def reset(self) -> None:
+        """Forget everything (the consumers were told to start over)."""
+        self._announced.clear()
+        self._holders.clear()
+        self._live.clear()
+        self._waiting.clear()
+        self._held.clear()
+        self._device.clear()
+
+    # -- stores --------------------------------------------------------------------------
+    def _stored(self, event: Stored, out: list[TierEvent]) -> None:
+        tier, ctx = event.tier, event.ctx
+        mine = self._announced.get(tier, ())
+        held = self._held.get(tier, {})
+        by_key = dict(zip(event.keys, event.records, strict=True)) if event.records else None
+        keys = [k for k in dict.fromkeys(event.keys) if k not in mine and k not in held]
+        if not keys:
+            return
+        parents: dict[OffloadKey, _Parent] = {}
+        for key in keys:
+            record = by_key.get(key) if by_key is not None else None
+            parents[key] = record_parent(record) if record is not None else chunk_parent(ctx, key)
+        live = self._live
+        device = ctx is not None and ctx.provenance is not None and ctx.provenance.device_events
+        going: list[OffloadKey] = []  # what goes now, chain after chain, parents first
+        ready: set[OffloadKey] = set()
+        for chain in _chains(keys, parents):
+            # every key from the first whose parent is announced (or none) on can go: each
+            # announces the next one's parent; the keys before it wait for theirs
+            go = 0
+            for key in chain:
+                parent = parents[key] if go == 0 else chain[go - 1]
+                if parent is None or parent is False or parent in live or parent in ready:
+                    break
+                go += 1
+            for i in range(go):
+                key = chain[i]
+                parent = parents[key] if i == 0 else chain[i - 1]
+                record = by_key.get(key) if by_key is not None else None
+                self._hold(
+                    _Held(
+                        tier=tier,
+                        key=key,
+                        parent=cast("OffloadKey", parent),  # a key: the loop above said so
+                        ctx=ctx,
+                        record=record,
+                        device=device,
+                    )
+                )
+            going += chain[go:]
+            ready.update(chain[go:])
+        if going:
+            records = [by_key.get(k) for k in going] if by_key is not None else None
+            self._emit(_Run(tier, going, ctx, records), out)
+
+    def _emit(self, first: _Run, out: list[TierEvent]) -> None:
+        """Announce ``first``, then every key that waited for a key announced meanwhile."""
+        work = deque(((first, False),))
+        live, holders, waiting = self._live, self._holders, self._waiting
+        while work:
+            run, released = work.popleft()
+            tier = run.tier
+            public = self._publish_as.get(tier, tier)
+            mine = self._announced.setdefault(tier, set())
+            new: list[OffloadKey] = []
+            records: list[ChunkRecord | None] | None = [] if run.records is not None else None
+            for i, key in enumerate(run.keys):
+                mine.add(key)
+                slot = (public, key)
+                count = holders.get(slot, 0)
+                holders[slot] = count + 1
+                if count:
+                    continue  # another tier announced it under the same identity
+                new.append(key)
+                if records is not None and run.records is not None:
+                    records.append(run.records[i])
+                before = live.get(key, 0)
+                live[key] = before + 1
+                if not before and key in waiting:
+                    while (waiters := waiting.get(key)) is not None:
+                        held = waiters[0]
+                        self._unhold(held)
+                        work.append((self._chain_from(held), True))
+            if not new:
+                continue
+            last = out[-1] if out and released else None
+            if (
+                type(last) is Stored
+                and last.tier == public
+                and last.ctx is run.ctx
+                and last.records is None
+                and records is None
+            ):
+                # a key released by the one before it, of the same tier and request: one run
+                out[-1] = Stored(last.keys + tuple(new), public, run.ctx)
+            else:
+                out.append(Stored(tuple(new), public, run.ctx, tuple(records) if records else None))
+
+    def _chain_from(self, first: _Held) -> _Run:
+        """``first`` (no longer held) and the keys of its tier and request that waited for it,
+        and for them, in order: one run."""
+        keys, records = [first.key], [first.record]
+        held = first
+        while (waiters := self._waiting.get(held.key)) is not None:
+            nxt = next((w for w in waiters if w.tier == held.tier and w.ctx is held.ctx), None)
+            if nxt is None:
+                break
+            self._unhold(nxt)
+            keys.append(nxt.key)
+            records.append(nxt.record)
+            held = nxt
+        return _Run(first.tier, keys, first.ctx, records if any(records) else None)
+
+    def _hold(self, held: _Held) -> None:
+        self._waiting.setdefault(held.parent, []).append(held)
+        self._held.setdefault(held.tier, {})[held.key] = held
+        if held.device:
+            self._device.append(held)
+
+    def _is_held(self, held: _Held) -> bool:
+        return self._held.get(held.tier, {}).get(held.key) is held
+
+    def _unhold(self, held: _Held) -> None:
+        mine = self._held.get(held.tier)
+        if mine is not None and mine.get(held.key) is held:
+            del mine[held.key]
+            if not mine:
+                del self._held[held.tier]
+        waiters = self._waiting.get(held.parent)
+        if waiters is not None:
+            waiters[:] = [w for w in waiters if w is not held]
+            if not waiters:
+                del self._waiting[held.parent]
+
+    # -- removals ------------------------------------------------------------------------
+    def _removed(
+        self, keys: Iterable[OffloadKey], tier: TierIdentity, out: list[TierEvent]
+    ) -> None:
+        public = self._publish_as.get(tier, tier)
+        mine = self._announced.get(tier)
+        held = self._held.get(tier)
+        holders, live = self._holders, self._live
+        gone: list[OffloadKey] = []
+        for key in dict.fromkeys(keys):
+            if held is not None and (waiting := held.get(key)) is not None:
+                self._unhold(waiting)  # never announced; its children keep waiting for it
+                continue
+            if mine is None or key not in mine:
+                continue  # never announced: nothing to take back
+            mine.discard(key)
+            slot = (public, key)
+            count = holders.pop(slot, 1) - 1
+            if count > 0:
+                holders[slot] = count  # another tier still holds it under this identity
+                continue
+            gone.append(key)
+            count = live.pop(key, 1) - 1
+            if count > 0:
+                live[key] = count
+        if gone:
+            out.append(Removed(tuple(gone), public))
+
+
+def _chains(
+    keys: list[OffloadKey], parents: Mapping[OffloadKey, _Parent]
+) -> list[list[OffloadKey]]:
+    """``keys`` as chains, parents' chains first: each chain a key, then its only child among
+    ``keys``, and so on; a key with several children ends its chain, each child starts one."""
+    inside = set(keys)
+    children: dict[OffloadKey, list[OffloadKey]] = {}
+    roots: deque[OffloadKey] = deque()
+    for key in keys:
+        parent = parents[key]
+        if isinstance(parent, bytes) and parent in inside and parent != key:
+            children.setdefault(OffloadKey(parent), []).append(key)
+        else:
+            roots.append(key)
+    chains: list[list[OffloadKey]] = []
+    seen: set[OffloadKey] = set()
+    while roots or len(seen) < len(inside):
+        if not roots:  # only a cycle is left (hashes never make one): break it anywhere
+            roots.append(next(k for k in keys if k not in seen))
+        key = roots.popleft()
+        if key in seen:
+            continue
+        chain = [key]
+        seen.add(key)
+        while (kids := children.get(key)) is not None:
+            kids = [k for k in kids if k not in seen]
+            if len(kids) != 1:
+                roots.extend(kids)
+                break
+            key = kids[0]
+            chain.append(key)
+            seen.add(key)
+        chains.append(chain)
+    return chains
