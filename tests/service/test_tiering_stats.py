@@ -3,6 +3,8 @@ latencies, occupancy and the event pipeline's counts."""
 
 from __future__ import annotations
 
+import attrs
+
 from kvhex.domain import JobKind, LookupResult, ReqContext
 from kvhex.domain.events import Cleared, Removed, Stored
 from kvhex.domain.histogram import Histogram
@@ -118,12 +120,14 @@ def test_the_driver_reports_each_finished_job_to_its_observer() -> None:
     assert seen[0][3] >= 0
 
 
-def test_a_clear_zeroes_the_resident_count() -> None:
+def test_a_clear_zeroes_the_resident_count_and_other_instances_blocks_never_count() -> None:
     stats = TierStats("t")
     tier_id = World(tiers=1).tiers[0].identity
-    _count_events(stats, [Stored(keys(1, 2, 3), tier_id), Removed(keys(2), tier_id)])
+    peers = attrs.evolve(tier_id, ownership="t@peers")
+    _count_events(stats, [Stored(keys(1, 2, 3), tier_id), Removed(keys(2), tier_id)], tier_id)
+    _count_events(stats, [Stored(keys(7, 8), peers), Removed(keys(1), peers)], tier_id)
     assert (stats.blocks_stored, stats.blocks_removed, stats.resident_blocks) == (3, 1, 2)
-    _count_events(stats, [Cleared(tier_id)])
+    _count_events(stats, [Cleared(tier_id)], tier_id)
     assert stats.resident_blocks == 0
 
 

@@ -26,7 +26,7 @@ from kvhex.domain.request import ReqContext
 from kvhex.domain.tiers import TierIdentity
 from kvhex.ports.events import EventSource
 
-__all__ = ["Occupancy", "PeerView", "RequestAware", "TierStore"]
+__all__ = ["Occupancy", "PeerView", "RequestAware", "TierStore", "tier_identities"]
 
 
 @runtime_checkable
@@ -130,3 +130,11 @@ class PeerView(Protocol):
         """The identity of the other instances' blocks in this tier's events (never its
         ``identity``)."""
         ...
+
+
+def tier_identities(store: TierStore) -> tuple[TierIdentity, ...]:
+    """Every identity ``store``'s events carry: its own, and a ``PeerView``'s other
+    instances' one."""
+    if isinstance(store, PeerView):
+        return store.identity, store.peer_identity
+    return (store.identity,)

@@ -19,7 +19,7 @@ from kvhex.domain.primary import StorePlan
 from kvhex.domain.request import ReqContext
 from kvhex.domain.tiers import LookupResult, OffloadPolicy, TierIdentity
 from kvhex.errors import StateError
-from kvhex.ports.tier_store import PeerView, TierStore
+from kvhex.ports.tier_store import TierStore, tier_identities
 from kvhex.service.events import EventPipeline
 from kvhex.service.tiering import TieringManager, TieringStats
 
@@ -36,9 +36,8 @@ def announcer_for(tiers: Iterable[TierStore], owned: Collection[TierIdentity] = 
     for store in tiers:
         tier = store.identity
         public = tier if tier in owned else TierIdentity(tier.medium, tier.locality, None)
-        publish_as[tier] = public
-        if isinstance(store, PeerView):
-            publish_as[store.peer_identity] = public
+        for identity in tier_identities(store):
+            publish_as[identity] = public
     return Announcer(publish_as)
 
 

@@ -411,7 +411,7 @@ class TieringManager:
         events = self._primary.take_events()
         for tier in self._tiers:
             if taken := tier.store.take_events():
-                _count_events(tier.stats, taken)
+                _count_events(tier.stats, taken, tier.store.identity)
                 events.extend(taken)
         return events
 
@@ -549,9 +549,12 @@ def _snapshot(tier: _Tier) -> TierStats:
     )
 
 
-def _count_events(stats: TierStats, events: list[TierEvent]) -> None:
-    """A tier's announcements, counted into its stats (keys stored, removed, resident)."""
+def _count_events(stats: TierStats, events: list[TierEvent], own: TierIdentity) -> None:
+    """A tier's announcements of its own blocks (not of other instances' it also announces,
+    a ``PeerView``'s), counted into its stats (keys stored, removed, resident)."""
     for event in events:
+        if event.tier != own:
+            continue
         if type(event) is Stored:
             stats.blocks_stored += len(event.keys)
             stats.resident_blocks += len(event.keys)

@@ -62,6 +62,7 @@ from kvhex.adapters.vllm.settings import SOURCE, VllmSettings, parse_settings
 from kvhex.domain.geometry import KvGeometry, KvGroup
 from kvhex.errors import ConfigError
 from kvhex.plugins import Registry
+from kvhex.ports.tier_store import tier_identities
 
 __all__ = ["RANDOM_HASH_ROOT", "KvhexOffloadingSpec", "geometry_of", "namespace_of"]
 
@@ -381,9 +382,10 @@ class KvhexOffloadingSpec(TieringOffloadingSpec):
             host.close()
             raise
         silent = [
-            store.identity
+            identity
             for store, tier in zip(stores, self.settings.tiers, strict=True)
             if not tier.enable_kv_events
+            for identity in tier_identities(store)
         ]
         log.info(
             "kvhex_offloading_ready",
