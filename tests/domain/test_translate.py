@@ -9,6 +9,7 @@ import weakref
 from kvhex.domain import Cleared, Locality, Medium, Removed, ReqContext, Stored, TierIdentity
 from kvhex.domain.events import BlockRemoved, BlockStored
 from kvhex.domain.geometry import CacheKind, KvGeometry, KvGroup
+from kvhex.domain.locator import ChunkRecord
 from kvhex.domain.translate import EventTranslator
 from tests.domain.requests import (
     MmFeature,
@@ -281,6 +282,32 @@ def test_int_hashes_publish_the_low_64_bits_big_endian() -> None:
     key = chunk_key(ctx, 0, G0)
     (ev,) = EventTranslator(GEO, int_hashes=True).translate([Stored((key,), CPU, ctx)])
     assert ev.block_hashes == [int.from_bytes(prov.block_hashes[0], "big") & (2**64 - 1)]  # type: ignore[union-attr]
+
+
+def test_int_hashes_of_a_long_chain_and_its_removal_are_each_hashes_low_64_bits() -> None:
+    """A chain's hashes are converted in one pass over their bytes: the same numbers."""
+    ctx = make_request("r", tokens(4 * 40), GEO)
+    prov = ctx.provenance
+    assert prov is not None
+    keys = tuple(chunk_key(ctx, c, G0) for c in range(40))
+    tr = EventTranslator(GEO, int_hashes=True)
+    (ev,) = tr.translate([Stored(keys, CPU, ctx)])
+    low = [int.from_bytes(h, "big") & (2**64 - 1) for h in prov.block_hashes]
+    assert ev.block_hashes == low  # type: ignore[union-attr]
+    assert ev.parent_block_hash is None  # type: ignore[union-attr]
+    (gone,) = tr.translate([Removed(keys, CPU)])
+    assert gone.block_hashes == low  # type: ignore[union-attr]
+
+
+def test_records_of_mixed_hash_lengths_publish_each_hashes_own_low_64_bits() -> None:
+    hashes = [bytes([n]) * (8 if n % 3 else 16) + bytes([n, 255]) * 4 for n in range(1, 12)]
+    record = ChunkRecord(
+        hashes, None, list(range(44)), 4, None, 0, "full_attention", None, None, None
+    )
+    (ev,) = EventTranslator(GEO, int_hashes=True).translate(
+        [Stored((chunk_key(make_request("r", tokens(4), GEO), 0, G0),), DISK, None, (record,))]
+    )
+    assert ev.block_hashes == [int.from_bytes(h, "big") & (2**64 - 1) for h in hashes]  # type: ignore[union-attr]
 
 
 def test_token_mutating_requests_and_stale_positions_are_placeholders() -> None:

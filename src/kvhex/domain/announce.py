@@ -33,11 +33,12 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Iterable, Mapping
+from itertools import pairwise
 from typing import cast
 
 from kvhex.domain.events import Cleared, Removed, Stored, TierEvent
 from kvhex.domain.keys import OffloadKey
-from kvhex.domain.locator import ChunkRecord, chunk_parent, record_parent
+from kvhex.domain.locator import ChunkRecord, Span, record_parent, span_parent, spans
 from kvhex.domain.request import ReqContext
 from kvhex.domain.tiers import TierIdentity
 
@@ -57,12 +58,12 @@ class _Run:
         tier: TierIdentity,
         keys: list[OffloadKey],
         ctx: ReqContext | None,
-        records: list[ChunkRecord | None] | None,
+        records: list[ChunkRecord | None],
     ) -> None:
         self.tier = tier
         self.keys = keys
         self.ctx = ctx
-        self.records = records
+        self.records = records  # one per key (None: a placeholder)
 
 
 class _Held:
@@ -103,17 +104,21 @@ class Announcer:
         "_holders",
         "_live",
         "_publish_as",
+        "_sharing",
         "_waiting",
     )
 
     def __init__(self, publish_as: Mapping[TierIdentity, TierIdentity] | None = None) -> None:
         self._publish_as = dict(publish_as or {})
         self._announced: dict[TierIdentity, set[OffloadKey]] = {}  # per tier: keys announced
-        self._holders: dict[tuple[TierIdentity, OffloadKey], int] = {}  # (public, key): tiers
+        self._holders: dict[TierIdentity, dict[OffloadKey, int]] = {}  # public -> key -> tiers
         self._live: dict[OffloadKey, int] = {}  # key -> public residencies announcing it
         self._waiting: dict[OffloadKey, list[_Held]] = {}  # parent -> keys waiting for it
         self._held: dict[TierIdentity, dict[OffloadKey, _Held]] = {}  # per tier: waiting keys
         self._device: list[_Held] = []  # keys waiting this step whose parent is the device's
+        self._sharing: dict[TierIdentity, set[TierIdentity]] = {}  # public -> tiers seen
+        for tier, public in self._publish_as.items():
+            self._sharing.setdefault(public, set()).add(tier)
 
     # -- queries -------------------------------------------------------------------------
     def public(self, tier: TierIdentity) -> TierIdentity:
@@ -171,14 +176,26 @@ class Announcer:
         tier, ctx = event.tier, event.ctx
         mine = self._announced.get(tier, ())
         held = self._held.get(tier, {})
-        by_key = dict(zip(event.keys, event.records, strict=True)) if event.records else None
         keys = [k for k in dict.fromkeys(event.keys) if k not in mine and k not in held]
         if not keys:
             return
+        records: dict[OffloadKey, ChunkRecord | None]
         parents: dict[OffloadKey, _Parent] = {}
-        for key in keys:
-            record = by_key.get(key) if by_key is not None else None
-            parents[key] = record_parent(record) if record is not None else chunk_parent(ctx, key)
+        if event.records:  # keys stored with no request at hand: their records say
+            given = dict(zip(event.keys, event.records, strict=True))
+            records = {k: given[k] for k in keys}
+            for k, r in records.items():
+                parents[k] = False if r is None else record_parent(r)
+        else:  # where each key lies in its request (the translator describes it there)
+            found = spans(ctx, keys)
+            if ctx is not None and _one_chain(found):  # the common case: a job's chunks
+                head = span_parent(ctx, keys[0], found[0])  # type: ignore[arg-type]
+                if head is None or head in self._live:
+                    self._emit(_Run(tier, keys, ctx, [None] * len(keys)), out)
+                    return
+            records = dict.fromkeys(keys)
+            for k, span in zip(keys, found, strict=True):
+                parents[k] = False if span is None or ctx is None else span_parent(ctx, k, span)
         live = self._live
         device = ctx is not None and ctx.provenance is not None and ctx.provenance.device_events
         going: list[OffloadKey] = []  # what goes now, chain after chain, parents first
@@ -195,44 +212,50 @@ class Announcer:
             for i in range(go):
                 key = chain[i]
                 parent = parents[key] if i == 0 else chain[i - 1]
-                record = by_key.get(key) if by_key is not None else None
                 self._hold(
                     _Held(
                         tier=tier,
                         key=key,
                         parent=cast("OffloadKey", parent),  # a key: the loop above said so
                         ctx=ctx,
-                        record=record,
+                        record=records[key],
                         device=device,
                     )
                 )
-            going += chain[go:]
-            ready.update(chain[go:])
+            if go:
+                going += chain[go:]
+                ready.update(chain[go:])
+            else:
+                going += chain
+                ready.update(chain)
         if going:
-            records = [by_key.get(k) for k in going] if by_key is not None else None
-            self._emit(_Run(tier, going, ctx, records), out)
+            self._emit(_Run(tier, going, ctx, [records[k] for k in going]), out)
 
     def _emit(self, first: _Run, out: list[TierEvent]) -> None:
         """Announce ``first``, then every key that waited for a key announced meanwhile."""
         work = deque(((first, False),))
-        live, holders, waiting = self._live, self._holders, self._waiting
+        live, waiting = self._live, self._waiting
         while work:
             run, released = work.popleft()
             tier = run.tier
             public = self._publish_as.get(tier, tier)
             mine = self._announced.setdefault(tier, set())
-            new: list[OffloadKey] = []
-            records: list[ChunkRecord | None] | None = [] if run.records is not None else None
-            for i, key in enumerate(run.keys):
-                mine.add(key)
-                slot = (public, key)
-                count = holders.get(slot, 0)
-                holders[slot] = count + 1
-                if count:
-                    continue  # another tier announced it under the same identity
-                new.append(key)
-                if records is not None and run.records is not None:
-                    records.append(run.records[i])
+            records: list[ChunkRecord | None]
+            if self._shares(public, tier):
+                holders = self._holders.setdefault(public, {})
+                new: list[OffloadKey] = []
+                records = []
+                for key, record in zip(run.keys, run.records, strict=True):
+                    mine.add(key)
+                    count = holders.get(key, 0)
+                    holders[key] = count + 1
+                    if not count:  # else another tier announced it under the same identity
+                        new.append(key)
+                        records.append(record)
+            else:  # the only tier announced so: a key it did not announce is new
+                mine.update(run.keys)
+                new, records = run.keys, run.records
+            for key in new:
                 before = live.get(key, 0)
                 live[key] = before + 1
                 if not before and key in waiting:
@@ -243,17 +266,22 @@ class Announcer:
             if not new:
                 continue
             last = out[-1] if out and released else None
-            if (
-                type(last) is Stored
-                and last.tier == public
-                and last.ctx is run.ctx
-                and last.records is None
-                and records is None
-            ):
+            if type(last) is Stored and last.tier == public and last.ctx is run.ctx:
                 # a key released by the one before it, of the same tier and request: one run
-                out[-1] = Stored(last.keys + tuple(new), public, run.ctx)
+                before_records = last.records or (None,) * len(last.keys)
+                merged = _records([*before_records, *records])
+                out[-1] = Stored(last.keys + tuple(new), public, run.ctx, merged)
             else:
-                out.append(Stored(tuple(new), public, run.ctx, tuple(records) if records else None))
+                out.append(Stored(tuple(new), public, run.ctx, _records(records)))
+
+    def _shares(self, public: TierIdentity, tier: TierIdentity) -> bool:
+        """Whether another tier than ``tier`` is announced as ``public`` too (then keys are
+        counted per tier holding them under it)."""
+        tiers = self._sharing.get(public)
+        if tiers is None:
+            tiers = self._sharing[public] = set()
+        tiers.add(tier)
+        return len(tiers) > 1
 
     def _chain_from(self, first: _Held) -> _Run:
         """``first`` (no longer held) and the keys of its tier and request that waited for it,
@@ -268,7 +296,7 @@ class Announcer:
             keys.append(nxt.key)
             records.append(nxt.record)
             held = nxt
-        return _Run(first.tier, keys, first.ctx, records if any(records) else None)
+        return _Run(first.tier, keys, first.ctx, records)
 
     def _hold(self, held: _Held) -> None:
         self._waiting.setdefault(held.parent, []).append(held)
@@ -298,7 +326,8 @@ class Announcer:
         public = self._publish_as.get(tier, tier)
         mine = self._announced.get(tier)
         held = self._held.get(tier)
-        holders, live = self._holders, self._live
+        holders = self._holders.get(public, {}) if self._shares(public, tier) else None
+        live = self._live
         gone: list[OffloadKey] = []
         for key in dict.fromkeys(keys):
             if held is not None and (waiting := held.get(key)) is not None:
@@ -307,11 +336,11 @@ class Announcer:
             if mine is None or key not in mine:
                 continue  # never announced: nothing to take back
             mine.discard(key)
-            slot = (public, key)
-            count = holders.pop(slot, 1) - 1
-            if count > 0:
-                holders[slot] = count  # another tier still holds it under this identity
-                continue
+            if holders is not None:
+                count = holders.pop(key, 1) - 1
+                if count > 0:
+                    holders[key] = count  # another tier still holds it under this identity
+                    continue
             gone.append(key)
             count = live.pop(key, 1) - 1
             if count > 0:
@@ -320,11 +349,25 @@ class Announcer:
             out.append(Removed(tuple(gone), public))
 
 
+def _one_chain(found: list[Span | None]) -> bool:
+    """Whether every key lies right after the one before it, in one request and group."""
+    previous = found[0]
+    if previous is None:
+        return False
+    for span in found[1:]:
+        if span is None or span[0] != previous[1] or span[2] is not previous[2]:
+            return False
+        previous = span
+    return True
+
+
 def _chains(
     keys: list[OffloadKey], parents: Mapping[OffloadKey, _Parent]
 ) -> list[list[OffloadKey]]:
     """``keys`` as chains, parents' chains first: each chain a key, then its only child among
     ``keys``, and so on; a key with several children ends its chain, each child starts one."""
+    if all(parents[b] == a for a, b in pairwise(keys)):
+        return [keys]  # the common case: a job's keys, one chain in order
     inside = set(keys)
     children: dict[OffloadKey, list[OffloadKey]] = {}
     roots: deque[OffloadKey] = deque()
@@ -354,3 +397,7 @@ def _chains(
             seen.add(key)
         chains.append(chain)
     return chains
+
+
+def _records(records: list[ChunkRecord | None]) -> tuple[ChunkRecord | None, ...] | None:
+    return tuple(records) if any(r is not None for r in records) else None

@@ -8,7 +8,7 @@ ago costs only what the engine itself still holds for it, until its last event i
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import attrs
 
@@ -62,9 +62,12 @@ class Provenance:
     device_events: bool = False
     _hash_index: dict[bytes, int] = attrs.field(factory=dict, init=False, repr=False)
     _indexed: int = attrs.field(default=0, init=False, repr=False)
+    _chunk_index: dict[int, tuple[dict[bytes, int], list[int]]] = attrs.field(
+        factory=dict, init=False, repr=False
+    )
 
-    def hash_position(self, block_hash: bytes) -> int | None:
-        """The end token of the hash block whose hash is ``block_hash``, or ``None``.
+    def hash_index(self) -> Mapping[bytes, int]:
+        """Each of the request's block hashes -> its index in ``block_hashes``.
 
         Built lazily and extended incrementally as the live hash list grows.
         """
@@ -75,5 +78,25 @@ class Provenance:
             # chained hashes do not repeat within a request; a repeat would map to its last
             index.update(zip(hashes[self._indexed : n], range(self._indexed, n), strict=True))
             self._indexed = n
-        found = index.get(block_hash)
+        return index
+
+    def chunk_index(self, hashes_per_chunk: int) -> Mapping[bytes, int]:
+        """The hashes that end a chunk of ``hashes_per_chunk`` hash blocks -> their index in
+        ``block_hashes``: where a chunk key is found without indexing every hash (a partial
+        tail's is found by :meth:`hash_index`). Extended incrementally."""
+        entry = self._chunk_index.get(hashes_per_chunk)
+        if entry is None:
+            entry = self._chunk_index[hashes_per_chunk] = ({}, [0])
+        index, done = entry
+        hashes = self.block_hashes
+        n = len(hashes) // hashes_per_chunk * hashes_per_chunk
+        if done[0] < n:
+            ends = range(done[0] + hashes_per_chunk - 1, n, hashes_per_chunk)
+            index.update(zip(hashes[ends.start : n : hashes_per_chunk], ends, strict=True))
+            done[0] = n
+        return index
+
+    def hash_position(self, block_hash: bytes) -> int | None:
+        """The end token of the hash block whose hash is ``block_hash``, or ``None``."""
+        found = self.hash_index().get(block_hash)
         return None if found is None else (found + 1) * self.geometry.tokens_per_hash

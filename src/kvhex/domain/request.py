@@ -52,6 +52,11 @@ class ReqContext:
         return end
 
     @property
+    def recorded_positions(self) -> Mapping[OffloadKey, int]:
+        """The end-token positions recorded so far (read-only)."""
+        return self._positions
+
+    @property
     def recorded_keys(self) -> int:
         """How many key positions are recorded."""
         return len(self._positions)

@@ -3,7 +3,8 @@
 ``Medium`` is an open vocabulary: vLLM's names (``CPU``, ``STORAGE``, ``GPU``) are provided as
 constants, and a tier may announce another (``SHARED_STORAGE`` for llm-d, ``DISK``) because
 consumers differ in what they expect. ``Locality`` says whether storage is local to the
-publishing engine instance or remote; ``None`` means unspecified and is never inferred.
+publishing engine instance, remote, or shared by every instance of a pool; ``None`` means
+unspecified and is never inferred.
 """
 
 from __future__ import annotations
@@ -59,6 +60,9 @@ class Locality(enum.Enum):
 
     LOCAL = "LOCAL"
     REMOTE = "REMOTE"
+    SHARED = "SHARED"
+    """Storage every instance of a pool reads (a shared root or bucket). Not one of vLLM's
+    localities, and Dynamo's indexer credits only ``LOCAL`` (or none): see docs/tiers.md."""
 
 
 class LookupResult(enum.Enum):
@@ -83,7 +87,7 @@ class OffloadPolicy(enum.Enum):
     """Every chunk, prefix hits included: some tier needs the complete context."""
 
 
-@attrs.frozen(slots=True)
+@attrs.frozen(slots=True, cache_hash=True)  # a dict key on every step's events
 class TierIdentity:
     """What a tier announces about itself in every event: medium, locality, ownership.
 

@@ -25,6 +25,8 @@ other tier's blocks.
 
 from __future__ import annotations
 
+import sys
+from array import array
 from collections.abc import Iterable
 from typing import Any, cast
 
@@ -38,14 +40,17 @@ from kvhex.domain.events import (
     Stored,
     TierEvent,
 )
-from kvhex.domain.geometry import KvGeometry
+from kvhex.domain.geometry import KvGeometry, KvGroup
 from kvhex.domain.keys import GROUP_IDX_BYTES, OffloadKey
-from kvhex.domain.locator import locate
+from kvhex.domain.locator import ChunkRecord, describe, spans
+from kvhex.domain.provenance import Provenance
 from kvhex.domain.tiers import TierIdentity
 
 __all__ = ["EventTranslator"]
 
-_MASK64 = (1 << 64) - 1
+_BULK = 8
+"""Hashes from which converting them all at once beats one by one."""
+_LITTLE_ENDIAN = sys.byteorder == "little"
 Residency = tuple[str, str | None, str | None]
 """(medium, locality, ownership): one residency of announced keys."""
 
@@ -56,65 +61,64 @@ def _residency(tier: TierIdentity) -> Residency:
     return tier.medium.name, tier.locality.value if tier.locality else None, tier.ownership
 
 
+def _low_64_bits(hashes: list[bytes]) -> list[int]:
+    """The low 64 bits of each hash's big-endian value (its last 8 bytes), as vLLM publishes
+    them with ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES``; hashes of one length (one hash
+    function: the common case) are converted in one pass over their bytes."""
+    if len(hashes) >= _BULK:
+        sizes = set(map(len, hashes))
+        if len(sizes) == 1 and (size := sizes.pop()) % 8 == 0:
+            words = array("Q", b"".join(hashes))
+            if _LITTLE_ENDIAN:
+                words.byteswap()
+            step = size // 8
+            return words[step - 1 :: step].tolist()
+    from_bytes = int.from_bytes
+    return [from_bytes(h[-8:], "big") for h in hashes]
+
+
 class _Chain:
-    """A ``BlockStored`` being built from consecutive keys of one ``Stored``."""
+    """Consecutive records of one ``Stored`` whose chunks follow each other: one event."""
 
-    __slots__ = (
-        "block_size",
-        "extra_keys",
-        "group_idx",
-        "hashes",
-        "kind",
-        "last",
-        "lora_id",
-        "lora_name",
-        "owned",
-        "parent",
-        "tokens",
-        "window",
-    )
+    __slots__ = ("extra_keys", "first", "hashes", "tokens")
 
-    def __init__(
-        self,
-        *,
-        hashes: list[bytes],
-        parent: bytes | None,
-        tokens: list[int],
-        block_size: int,
-        extra_keys: ExtraKeys | None,
-        group_idx: int,
-        kind: str | None,
-        window: int | None,
-        lora_id: int | None,
-        lora_name: str | None,
-    ) -> None:
-        self.hashes = hashes
-        self.parent = parent
-        self.tokens = tokens
-        self.block_size = block_size
-        self.extra_keys = extra_keys
-        self.group_idx = group_idx
-        self.kind = kind
-        self.window = window
-        self.lora_id = lora_id
-        self.lora_name = lora_name
-        self.last = hashes[-1]
-        self.owned = False
+    def __init__(self, first: ChunkRecord) -> None:
+        self.first = first
+        self.hashes: list[bytes] | None = None  # grown copies, from the second record on
+        self.tokens: list[int] = []
+        self.extra_keys: ExtraKeys | None = None
 
-    def extend(self, hashes: list[bytes], tokens: list[int], extra_keys: ExtraKeys | None) -> None:
-        if not self.owned:  # the first key's lists are its payload's: copy before growing
-            self.owned = True
-            self.hashes = list(self.hashes)
-            self.tokens = list(self.tokens)
-            if self.extra_keys is not None:
-                self.extra_keys = list(self.extra_keys)
-        if extra_keys is not None and self.extra_keys is None:
+    def continues(self, record: ChunkRecord) -> bool:
+        first = self.first
+        last = self.hashes[-1] if self.hashes is not None else first.block_hashes[-1]
+        return (
+            record.parent_block_hash == last
+            and record.block_size == first.block_size
+            and record.group_idx == first.group_idx
+            and record.lora_name == first.lora_name
+        )
+
+    def extend(self, record: ChunkRecord) -> None:
+        first = self.first
+        if self.hashes is None:  # the first record's lists are its own: copy before growing
+            self.hashes = list(first.block_hashes)
+            self.tokens = list(first.token_ids)
+            if first.extra_keys is not None:
+                self.extra_keys = list(first.extra_keys)
+        if record.extra_keys is not None and self.extra_keys is None:
             self.extra_keys = [None] * len(self.hashes)
         if self.extra_keys is not None:
-            self.extra_keys.extend(extra_keys if extra_keys is not None else [None] * len(hashes))
-        self.hashes.extend(hashes)
-        self.tokens.extend(tokens)
-        self.last = hashes[-1]
+            more = record.extra_keys
+            self.extra_keys.extend(more if more is not None else [None] * len(record.block_hashes))
+        self.hashes.extend(record.block_hashes)
+        self.tokens.extend(record.token_ids)
+
+    def record(self) -> ChunkRecord:
+        if self.hashes is None:
+            return self.first
+        return self.first._replace(
+            block_hashes=self.hashes, token_ids=self.tokens, extra_keys=self.extra_keys
+        )
 
 
 class EventTranslator:
@@ -130,7 +134,7 @@ class EventTranslator:
     def __init__(self, geometry: KvGeometry | None = None, *, int_hashes: bool = False) -> None:
         self.geometry = geometry
         self.int_hashes = int_hashes
-        self._hashes: dict[OffloadKey, list[bytes]] = {}
+        self._hashes: dict[OffloadKey, list[ExternalHash]] = {}  # as published
         self._resident: dict[Residency, dict[OffloadKey, None]] = {}
         self.full_stores = 0
         """Keys announced in full."""
@@ -168,98 +172,134 @@ class EventTranslator:
 
     def _ext(self, block_hash: bytes) -> ExternalHash:
         if self.int_hashes:
-            return int.from_bytes(block_hash, "big") & _MASK64
+            return int.from_bytes(block_hash[-8:], "big")  # the low 64 bits
         return block_hash
 
     def _stored(self, event: Stored, out: list[PublicEvent]) -> None:
-        tier = event.tier
-        medium, locality, ownership = where = _residency(tier)
-        resident = self._resident.setdefault(where, {})
-        detached = self._hashes
+        where = _residency(event.tier)
         ctx = event.ctx
         prov = ctx.provenance if ctx is not None else None
-        session_id = prov.session_id if prov is not None else None
+        if event.records is None and prov is not None:
+            self._stored_from_request(event, prov, where, out)
+        else:
+            self._stored_from_records(event, where, out)
+
+    def _stored_from_request(
+        self, event: Stored, prov: Provenance, where: Residency, out: list[PublicEvent]
+    ) -> None:
+        """Keys stored by a request: resolved in one pass, each run of whole chunks that
+        follow each other in the request described at once (one slice of its tokens)."""
+        resident = self._resident.setdefault(where, {})
+        detached = self._hashes
+        run: list[OffloadKey] = []
+        first = last = 0
+        group: KvGroup | None = None
+        whole = False
+
+        def flush() -> None:
+            record = describe(prov, first, last, cast("KvGroup", group))  # a run has one
+            hashes = self._announce(record, where, prov.session_id, out)
+            n = len(run)
+            per = len(hashes) // n
+            for i, key in enumerate(run):
+                detached[key] = hashes[i * per : (i + 1) * per] if n > 1 else hashes
+                resident[key] = None
+            self.full_stores += n
+
+        for key, span in zip(event.keys, spans(event.ctx, event.keys), strict=True):
+            if span is None:
+                if run:
+                    flush()
+                    run = []
+                self._announce_placeholder(key, where, event, out)
+                continue
+            start, end, key_group = span
+            key_whole = end - start == key_group.tokens_per_chunk
+            if run and whole and key_whole and key_group is group and start == last:
+                run.append(key)
+                last = end
+                continue
+            if run:
+                flush()
+            run, first, last, group, whole = [key], start, end, key_group, key_whole
+        if run:
+            flush()
+
+    def _stored_from_records(self, event: Stored, where: Residency, out: list[PublicEvent]) -> None:
+        """Keys described by records (or by nothing: placeholders): consecutive records whose
+        chunks follow each other announced as one chain."""
+        resident = self._resident.setdefault(where, {})
+        detached = self._hashes
         records = event.records
         chain: _Chain | None = None
         for i, key in enumerate(event.keys):
             record = records[i] if records is not None else None
-            if record is not None:
-                hashes, parent, tokens, block_size, extra_keys, group_idx = record[:6]
-                kind, window, lora_id, lora_name = record[6:]
-            else:
-                payload = locate(ctx, key) if prov is not None else None
-                if payload is None:
-                    if chain is not None:
-                        self._flush(chain, where, session_id, out)
-                        chain = None
-                    out.append(self._placeholder(key, medium, locality, ownership, event))
-                    detached.setdefault(key, [key[:-GROUP_IDX_BYTES]])
-                    self.placeholder_stores += 1
-                    resident[key] = None
-                    continue
-                hashes, parent, tokens, block_size, extra_keys, group = payload
-                assert prov is not None
-                group_idx, kind, window = group.group_idx, group.kind_name, group.sliding_window
-                lora_id, lora_name = prov.lora_id, prov.lora_name
-            detached[key] = hashes  # shared with the event: events are read-only
+            if record is None:
+                if chain is not None:
+                    self._announce(chain.record(), where, None, out)
+                    chain = None
+                self._announce_placeholder(key, where, event, out)
+                continue
+            detached[key] = self._published(record.block_hashes)
             self.full_stores += 1
             resident[key] = None
-            if (
-                chain is not None
-                and parent == chain.last
-                and block_size == chain.block_size
-                and group_idx == chain.group_idx
-                and lora_name == chain.lora_name
-            ):
-                chain.extend(hashes, tokens, extra_keys)
+            if chain is not None and chain.continues(record):
+                chain.extend(record)
                 continue
             if chain is not None:
-                self._flush(chain, where, session_id, out)
-            chain = _Chain(
-                hashes=hashes,
-                parent=parent,
-                tokens=tokens,
-                block_size=block_size,
-                extra_keys=extra_keys,
-                group_idx=group_idx,
-                kind=kind,
-                window=window,
-                lora_id=lora_id,
-                lora_name=lora_name,
-            )
+                self._announce(chain.record(), where, None, out)
+            chain = _Chain(record)
         if chain is not None:
-            self._flush(chain, where, session_id, out)
+            self._announce(chain.record(), where, None, out)
 
-    def _flush(
-        self, chain: _Chain, where: Residency, session_id: str | None, out: list[PublicEvent]
-    ) -> None:
-        medium, locality, ownership = where
+    def _published(self, hashes: list[bytes]) -> list[ExternalHash]:
+        """``hashes`` as announced: bytes, or the low 64 bits of each (its last 8 bytes)."""
         if self.int_hashes:
-            ext = self._ext
-            published: list[ExternalHash] = [ext(h) for h in chain.hashes]
-            parent: ExternalHash | None = None if chain.parent is None else ext(chain.parent)
-        else:
-            published = cast("list[ExternalHash]", chain.hashes)
-            parent = chain.parent
+            return cast("list[ExternalHash]", _low_64_bits(hashes))
+        return cast("list[ExternalHash]", hashes)
+
+    def _announce(
+        self,
+        record: ChunkRecord,
+        where: Residency,
+        session_id: str | None,
+        out: list[PublicEvent],
+    ) -> list[ExternalHash]:
+        """Append ``record``'s ``BlockStored``; returns its hashes as published (shared with
+        the event: read-only)."""
+        medium, locality, ownership = where
+        published = self._published(record.block_hashes)
+        raw_parent = record.parent_block_hash
+        parent = None if raw_parent is None else self._ext(raw_parent)
         # positional: one event per chain, this is the hot loop
         out.append(
             BlockStored(
                 published,
                 parent,
-                chain.tokens,
-                chain.block_size,
-                chain.lora_id,
+                record.token_ids,
+                record.block_size,
+                record.lora_id,
                 medium,
-                chain.lora_name,
-                chain.extra_keys,
-                chain.group_idx,
-                chain.kind,
-                chain.window,
+                record.lora_name,
+                record.extra_keys,
+                record.group_idx,
+                record.kv_cache_spec_kind,
+                record.kv_cache_spec_sliding_window,
                 locality,
                 ownership,
                 session_id,
             )
         )
+        return published
+
+    def _announce_placeholder(
+        self, key: OffloadKey, where: Residency, event: Stored, out: list[PublicEvent]
+    ) -> None:
+        medium, locality, ownership = where
+        out.append(self._placeholder(key, medium, locality, ownership, event))
+        self._hashes.setdefault(key, [self._ext(key[:-GROUP_IDX_BYTES])])
+        self.placeholder_stores += 1
+        self._resident.setdefault(where, {})[key] = None
 
     def _placeholder(
         self,
@@ -300,11 +340,11 @@ class EventTranslator:
         medium, locality, ownership = where = _residency(tier)
         resident = self._resident.get(where, {})
         by_group: dict[int, list[ExternalHash]] = {}
-        ext = self._ext
+        hashes, ext = self._hashes, self._ext
         for key in keys:
-            detached = self._hashes.get(key) or [key[:-GROUP_IDX_BYTES]]
+            detached = hashes.get(key) or [ext(key[:-GROUP_IDX_BYTES])]
             group = by_group.setdefault(int.from_bytes(key[-GROUP_IDX_BYTES:], "big"), [])
-            group.extend(ext(h) for h in detached)
+            group.extend(detached)
             resident.pop(key, None)
             maybe_gone.append(key)
         for group_idx, group_hashes in by_group.items():
