@@ -37,7 +37,7 @@ def sink() -> object:
 def sent(sink: ZmqEventSink, batches: int) -> None:
     """Wait until the sink's thread has published ``batches`` batches (replayable)."""
     deadline = time.monotonic() + 10
-    while len(sink._buffer) < batches:  # the replay ring: what went out on the wire
+    while sink.batches_sent < batches:  # what went out on the wire (and is replayable)
         assert time.monotonic() < deadline, "the sink did not publish"
         time.sleep(0.01)
 
@@ -272,28 +272,49 @@ def test_a_removal_of_an_unknown_hash_is_inconsistent(sink: ZmqEventSink) -> Non
     assert "INCONSISTENT: 1 removal(s) of hashes not stored" in done.stdout
 
 
-def test_batches_the_replay_no_longer_holds_are_a_gap() -> None:
+def test_batches_older_than_the_replay_buffer_come_back_as_a_snapshot() -> None:
+    a, b, c = (bytes([n]) * 32 for n in (1, 2, 3))
+
+    def stored(h: bytes, parent: bytes | None) -> BlockStored:
+        return BlockStored([h], parent, [1, 2, 3, 4], 4, None, "CPU", None)
+
     sink = ZmqEventSink("tcp://127.0.0.1:*", "tcp://127.0.0.1:*", buffer_steps=2)
+    steps = [
+        [stored(a, None)],
+        [stored(b, a)],
+        [BlockRemoved([b], "CPU")],
+        [stored(c, a)],
+        [BlockRemoved([a], "CPU")],
+    ]
     try:
-        for i in range(5):
-            sink.publish(EventBatch(float(i), [AllBlocksCleared()]))
-        sent(sink, 2)
-        time.sleep(0.2)
+        for i, events in enumerate(steps):
+            sink.publish(EventBatch(float(i), list(events)))
+        sent(sink, len(steps))
         done = kvhex(
             "events",
             sink.endpoint,
             "--replay",
             str(sink.replay_endpoint),
             "--count",
-            "2",
+            "4",  # the snapshot's clear and its one store (a), then c, then a's removal
             "--duration",
             "30",
+            "--json",
         )
     finally:
         sink.close()
-    assert done.returncode == 1, done.stdout + done.stderr
-    assert "sequence gaps: missing 0-2" in done.stdout
-    assert "3 batch(es) missing" in done.stdout
+    assert done.returncode == 0, done.stdout + done.stderr
+    *events, summary = [json.loads(line) for line in done.stdout.splitlines()]
+    assert [(e["seq"], e["type"]) for e in events] == [
+        (2, "AllBlocksCleared"),
+        (2, "BlockStored"),
+        (3, "BlockStored"),
+        (4, "BlockRemoved"),
+    ]
+    assert summary["gaps"] == []
+    assert summary["cleared_gaps"] == [[0, 1]]
+    assert summary["blocks"] == {"CPU": 1}  # c: what the whole stream holds
+    assert summary["consistent"] is True
 
 
 def test_a_silent_replay_socket_is_reported(sink: ZmqEventSink) -> None:
@@ -392,8 +413,9 @@ def test_a_jsonl_file_with_a_missing_batch_and_a_bad_line_is_inconsistent(
 ) -> None:
     path = tmp_path / "events.jsonl"
     jsonl = JsonlEventSink(path)
-    for i in range(4):
-        jsonl.publish(EventBatch(float(i), [AllBlocksCleared()]))
+    for i in range(4):  # a placeholder store each (not a clear: a gap before one loses nothing)
+        placeholder = BlockStored([bytes([i]) * 32], None, [], 0, None, "CPU", None)
+        jsonl.publish(EventBatch(float(i), [placeholder]))
     jsonl.close()
     lines = path.read_text().splitlines()
     path.write_text("\n".join([lines[0], lines[2], "{not json", lines[3]]) + "\n")

@@ -109,3 +109,15 @@ def test_a_block_announced_before_its_parent_makes_the_stream_inconsistent() -> 
     late.event(full(H3, parent=H2))  # its parent may have been announced before we joined
     assert late.orphan_stores == {"CPU": 1}
     assert late.consistent
+
+
+def test_a_gap_before_a_clear_loses_nothing_a_gap_before_anything_else_does() -> None:
+    ledger = StreamLedger(expected_first=0)
+    ledger.batch(3)  # a replay's snapshot: the clear, then what the older batches hold
+    ledger.event(AllBlocksCleared())
+    ledger.event(stored(H1))
+    ledger.batch(5)
+    ledger.event(stored(H2))
+    assert ledger.cleared_gaps == [(0, 2)]
+    assert ledger.gaps == [(4, 4)]
+    assert ledger.failures() == ["1 batch(es) missing"]

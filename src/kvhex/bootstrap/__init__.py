@@ -280,7 +280,7 @@ def build_engine(
     try:
         for plan in sink_plans:
             sinks.append(plan.build(source))
-        translator = EventTranslator(geometry)
+        translator = EventTranslator(geometry, int_hashes=config.events.int_block_hashes)
         engine, stores = _assemble(
             primary,
             specs,

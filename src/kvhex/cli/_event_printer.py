@@ -89,6 +89,11 @@ class EventPrinter:
         lines.append(f"batches {summary['batches']}{seqs}; events: {counted}")
         gaps = ", ".join(f"{a}" if a == b else f"{a}-{b}" for a, b in summary["gaps"])
         lines.append(f"sequence gaps: {f'missing {gaps}' if gaps else 'none'}")
+        if summary["cleared_gaps"]:
+            cleared = ", ".join(
+                f"{a}" if a == b else f"{a}-{b}" for a, b in summary["cleared_gaps"]
+            )
+            lines.append(f"batches skipped by a clear (a replay's snapshot): {cleared}")
         if summary["sequence_regressions"]:
             went = ", ".join(f"{a}->{b}" for a, b in summary["sequence_regressions"])
             lines.append(f"sequence went back: {went}")

@@ -6,7 +6,10 @@ hash adds one, every ``BlockRemoved`` hash takes one away, ``AllBlocksCleared`` 
 everything (docs/events.md). Replaying the stream so, the ledger records:
 
 * sequence gaps (batches never received) and sequences that went back (a restarted
-  publisher, or duplicates), and batches that did not decode;
+  publisher, or duplicates), and batches that did not decode; a gap right before a batch
+  that starts with ``AllBlocksCleared`` loses nothing (the clear forgets everything the
+  missing batches said): it is what kvhex's replay sends for batches older than its buffer
+  (a snapshot), and is counted apart, not failed;
 * removals of hashes the residency does not hold (a consumer ignores them, but in a stream
   seen from its start they mean a store was never announced or a removal was sent twice);
 * stores of hashes already held (counted, not an error: chunks that share blocks announce
@@ -55,6 +58,8 @@ class StreamLedger:
     last_seq: int | None = None
     batches: int = 0
     gaps: list[tuple[int, int]] = attrs.Factory(list)
+    cleared_gaps: list[tuple[int, int]] = attrs.Factory(list)
+    """Gaps right before a batch that starts with ``AllBlocksCleared``: nothing lost."""
     regressions: list[tuple[int, int]] = attrs.Factory(list)
     undecodable: int = 0
     events: Counter[str] = attrs.Factory(Counter)
@@ -64,11 +69,13 @@ class StreamLedger:
     clears: int = 0
     problems: list[str] = attrs.Factory(list)
     _held: dict[Residency, Counter[bytes | int]] = attrs.Factory(dict)
+    _gap_before: bool = False  # the batch whose first event is next came after a gap
 
     # -- feeding -------------------------------------------------------------------------
     def batch(self, seq: int) -> None:
         """A batch with sequence ``seq`` arrived (call before its events)."""
         self.batches += 1
+        gaps = len(self.gaps)
         if self.last_seq is None:
             self.first_seq = seq
             if self.expected_first is not None and seq > self.expected_first:
@@ -78,6 +85,7 @@ class StreamLedger:
         elif seq <= self.last_seq:
             self.regressions.append((self.last_seq, seq))
         self.last_seq = seq
+        self._gap_before = len(self.gaps) > gaps
 
     def bad_batch(self, seq: int) -> None:
         """A batch with sequence ``seq`` arrived but did not decode."""
@@ -86,6 +94,10 @@ class StreamLedger:
 
     def event(self, event: Any) -> None:
         """Apply one decoded event."""
+        if self._gap_before:
+            self._gap_before = False
+            if isinstance(event, AllBlocksCleared):  # the missing batches no longer matter
+                self.cleared_gaps.append(self.gaps.pop())
         kind = type(event).__name__
         self.events[kind] += 1
         if isinstance(event, BlockStored):
@@ -172,6 +184,7 @@ class StreamLedger:
             "joined_late": self.joined_late,
             "events": dict(sorted(self.events.items())),
             "gaps": [list(g) for g in self.gaps],
+            "cleared_gaps": [list(g) for g in self.cleared_gaps],
             "sequence_regressions": [list(r) for r in self.regressions],
             "undecodable": self.undecodable,
             "unknown_removals": dict(sorted(self.unknown_removals.items())),

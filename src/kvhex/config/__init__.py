@@ -12,6 +12,7 @@ from kvhex.config.loader import (
 )
 from kvhex.config.model import (
     BackpressureConfig,
+    EventsConfig,
     KvhexConfig,
     LoadingConfig,
     PluginName,
@@ -24,6 +25,7 @@ from kvhex.config.vllm import VllmExtraConfig
 
 __all__ = [
     "BackpressureConfig",
+    "EventsConfig",
     "KvhexConfig",
     "LoadingConfig",
     "PluginName",

@@ -30,6 +30,7 @@ __all__ = [
     "BackpressureConfig",
     "ByteCount",
     "DeviceChoice",
+    "EventsConfig",
     "KvhexConfig",
     "NonEmptyStr",
     "NonNegativeInt",
@@ -470,6 +471,19 @@ class RunConfig:
 
 
 @attrs.frozen(kw_only=True)
+class EventsConfig:
+    """How KV events are announced (the same for every sink).
+
+    Attributes:
+        int_block_hashes: publish block hashes as the low 64 bits of their big-endian value,
+            as vLLM does by default (``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1``); Dynamo's
+            indexer decodes no other form. ``false`` publishes the hashes' bytes.
+    """
+
+    int_block_hashes: bool = True
+
+
+@attrs.frozen(kw_only=True)
 class KvhexConfig:
     """Everything kvhex needs to build its tiers.
 
@@ -479,6 +493,7 @@ class KvhexConfig:
         sinks: where public KV events go.
         run: what ``kvhex run`` replays.
         loading: load or recompute prefixes held by secondary tiers.
+        events: how KV events are announced.
     """
 
     primary: PrimaryConfig = attrs.field(metadata={HINT: "the [primary] table"})
@@ -486,6 +501,7 @@ class KvhexConfig:
     sinks: tuple[SinkConfig, ...] = ()
     run: RunConfig = attrs.field(factory=RunConfig)
     loading: LoadingConfig = attrs.field(factory=LoadingConfig)
+    events: EventsConfig = attrs.field(factory=EventsConfig)
 
     def __attrs_post_init__(self) -> None:
         """Checks across keys, before anything is built.

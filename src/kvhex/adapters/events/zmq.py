@@ -159,6 +159,8 @@ class ZmqEventSink:
         """Where the PUB socket is bound (a ``*`` port resolved) or connected."""
         self.replay_endpoint: str | None = replay_at
         """Where the replay ROUTER is bound, if any."""
+        self.batches_sent = 0
+        """Batches the sender thread has put on the wire (and holds for replay)."""
         log.info(
             "zmq_event_sink_started",
             endpoint=self.endpoint,
@@ -217,6 +219,7 @@ class ZmqEventSink:
                 log.warning("zmq_publish_failed", seq=seq, error=repr(exc))
                 time.sleep(0.01)
             self._log.append(seq, batch, payload)
+            self.batches_sent += 1
 
     def _serve_replay(self) -> None:
         assert self._replay is not None
