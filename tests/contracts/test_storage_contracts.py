@@ -10,16 +10,21 @@ slower per request: their classes run fewer and smaller racy trials and crash cy
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from kvhex.adapters.storage.files.fsck import check_root
 from kvhex.adapters.storage.format import HEADER_AREA
 from kvhex.adapters.storage.fsspec import FsspecTierStore
+from kvhex.domain.events import TierEvent
+from kvhex.domain.keys import OffloadKey
 from kvhex.ports.host_buffer import HostBuffer
 from kvhex.ports.tier_store import TierStore
 from kvhex.testing import CrashContract, TierStoreContract
+from kvhex.testing.tier_kit import replay
 from tests.adapters.conftest import CREDENTIALS, s3_options
+from tests.adapters.storage.peer_kit import started
 
 NS = {"model": "tiny-llama", "blocks_per_chunk": 1, "dtype": "float16"}
 
@@ -54,7 +59,9 @@ class _Local:
 
 
 class _Bucket:
-    """A fresh bucket of the loopback S3 server per check."""
+    """A fresh bucket of the loopback S3 server per check. An object store announces the
+    blocks it adopts at start-up once their records are read, after start-up: the kit reads
+    a reopened tier's events at once, so the factories hand it over with them announced."""
 
     endpoint: str
     bucket: str
@@ -101,6 +108,32 @@ class TestFileTierPythonIo(TestFileTier):
     native_io = False
 
 
+class PeerViewTier(FsspecTierStore):
+    """The fsspec tier with its peer view scanning at every poll: the contract judges the
+    events of its own blocks; those of other instances' blocks must replay on their own (each
+    stored before it is removed, never twice)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, announce_peers=True, peer_scan_interval_s=0.001, **kwargs)
+        self.peer_resident: set[OffloadKey] = set()
+
+    def take_events(self) -> list[TierEvent]:
+        events = super().take_events()
+        peers = [e for e in events if e.tier == self.peer_identity]
+        problems = replay(peers, self.peer_resident, self.peer_identity)
+        assert not problems, "the peer view's events: " + "; ".join(problems)
+        return [e for e in events if e.tier != self.peer_identity]
+
+
+class TestFileTierWithPeerView(TestFileTier):
+    """The file tier with ``announce_peers``: its own events, jobs and crash recovery as
+    without it, while it scans the other instances' slabs (the contract's shared checks run
+    two instances on one root)."""
+
+    def _store(self, host: HostBuffer, capacity: int) -> TierStore:
+        return PeerViewTier(host, str(self.root), capacity_bytes=capacity, namespace=NS)
+
+
 class TestS3Tier(_Slow, _Bucket, TierStoreContract, CrashContract):
     shared_storage = True
 
@@ -108,13 +141,31 @@ class TestS3Tier(_Slow, _Bucket, TierStoreContract, CrashContract):
         return self.make_sized_store(host, 256)
 
     def make_sized_store(self, host: HostBuffer, capacity_blocks: int) -> TierStore:
-        return FsspecTierStore(
-            host,
-            f"s3://{self.bucket}/kv",
-            capacity_bytes=blocks_bytes(host, capacity_blocks),
-            name="s3",
-            namespace=NS,
-            storage_options=s3_options(self.endpoint),
+        return started(
+            FsspecTierStore(
+                host,
+                f"s3://{self.bucket}/kv",
+                capacity_bytes=blocks_bytes(host, capacity_blocks),
+                name="s3",
+                namespace=NS,
+                storage_options=s3_options(self.endpoint),
+            )
+        )
+
+
+class TestS3TierWithPeerView(TestS3Tier):
+    """The S3 tier with ``announce_peers`` (a listing at every poll), as the file tier's."""
+
+    def make_sized_store(self, host: HostBuffer, capacity_blocks: int) -> TierStore:
+        return started(
+            PeerViewTier(
+                host,
+                f"s3://{self.bucket}/kv",
+                capacity_bytes=blocks_bytes(host, capacity_blocks),
+                name="s3",
+                namespace=NS,
+                storage_options=s3_options(self.endpoint),
+            )
         )
 
 
@@ -140,13 +191,15 @@ class TestNixlObjTier(_Slow, _Bucket, TierStoreContract, CrashContract):
     def make_sized_store(self, host: HostBuffer, capacity_blocks: int) -> TierStore:
         from kvhex.adapters.storage.nixl import NixlTierStore
 
-        return NixlTierStore(
-            host,
-            f"s3://{self.bucket}/kv",
-            capacity_bytes=blocks_bytes(host, capacity_blocks),
-            namespace=NS,
-            endpoint_url=self.endpoint,
-            access_key=CREDENTIALS["key"],
-            secret_key=CREDENTIALS["secret"],
-            locality=None,
+        return started(
+            NixlTierStore(
+                host,
+                f"s3://{self.bucket}/kv",
+                capacity_bytes=blocks_bytes(host, capacity_blocks),
+                namespace=NS,
+                endpoint_url=self.endpoint,
+                access_key=CREDENTIALS["key"],
+                secret_key=CREDENTIALS["secret"],
+                locality=None,
+            )
         )

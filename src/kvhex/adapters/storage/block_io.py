@@ -13,6 +13,12 @@ may block on IO; none is called on the scheduler thread after start-up. Buffers:
 passed in are host slots the tier keeps pinned (put) or reserved (get) for the call's length;
 implementations never keep them.
 
+Records: a put whose job has a request hands ``write_many`` (and the movers) each block's
+record, encoded (:mod:`kvhex.adapters.storage.records`), to keep in its header area. Two
+optional capabilities read them back: :class:`RecordReading` (what a restart announces) and
+:class:`PeerListing` (what other instances hold, for a tier's peer view,
+:mod:`kvhex.adapters.storage.peers`).
+
 Also here: the few IO helpers every backend shares (:func:`write_fully`, :func:`oserror`,
 :func:`safe_error`).
 """
@@ -21,11 +27,12 @@ from __future__ import annotations
 
 import errno
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import NamedTuple, Protocol, runtime_checkable
 
 from kvhex.adapters.storage.format import Verdict
 from kvhex.domain.keys import OffloadKey
+from kvhex.domain.locator import ChunkRecord
 
 __all__ = [
     "BlockIo",
@@ -34,6 +41,9 @@ __all__ = [
     "Locating",
     "NamespaceConflict",
     "ObjectMover",
+    "PeerListing",
+    "RecordReading",
+    "Records",
     "SlotMover",
     "StoreLost",
     "oserror",
@@ -43,6 +53,9 @@ __all__ = [
 
 Located = tuple[str, int]
 """Where a block lives: a file or object, and the byte offset of its header."""
+
+Records = Mapping[OffloadKey, bytes]
+"""Encoded records of some of a job's keys, to keep in their blocks' header areas."""
 
 
 class Inventory(NamedTuple):
@@ -88,10 +101,14 @@ class BlockIo(Protocol):
         ...
 
     def write_many(
-        self, items: Sequence[tuple[OffloadKey, memoryview]], evict: Sequence[OffloadKey] = ()
+        self,
+        items: Sequence[tuple[OffloadKey, memoryview]],
+        evict: Sequence[OffloadKey] = (),
+        records: Records | None = None,
     ) -> list[str | None]:
         """Remove the blocks of ``evict`` (the job's victims: their room may be reused for
-        ``items``), then write ``items`` (key, payload) and make them findable. Per item
+        ``items``), then write ``items`` (key, payload) and make them findable, each block
+        keeping its key's entry of ``records`` (encoded) in its header area. Per item
         ``None``, or why it was not stored (nothing of a failed item may be found later).
 
         Raises:
@@ -140,16 +157,59 @@ class Locating(Protocol):
         ...
 
 
+@runtime_checkable
+class RecordReading(Protocol):
+    """Optional: a :class:`BlockIo` that reads back the records blocks keep in their
+    headers (a restart announces adopted blocks in full with them)."""
+
+    @property
+    def records_by_request(self) -> bool:
+        """True where reading a block's record costs a request (object stores): a restart
+        reads them on an IO thread after start-up, not during it
+        (:mod:`kvhex.adapters.storage.adoption`)."""
+        ...
+
+    def read_records(self, keys: Sequence[OffloadKey]) -> dict[OffloadKey, ChunkRecord | None]:
+        """The record of each key whose block is there (this instance's or another's): its
+        header read and checked to name the key, its record decoded (``None``: none kept, or
+        damaged). Keys whose block is not there are left out.
+
+        Raises:
+            StoreLost: the storage is gone.
+            Exception: the storage failed (nothing is known of the keys then).
+        """
+        ...
+
+
+@runtime_checkable
+class PeerListing(Protocol):
+    """Optional: a :class:`BlockIo` on storage other instances share that can say which
+    blocks they hold (a tier's peer view)."""
+
+    def peer_keys(self) -> set[OffloadKey]:
+        """The keys of the blocks other instances hold now, as the storage tells: every key
+        another instance's slot table names (local slabs), or every key listed (object
+        stores, where no block belongs to one instance: the tier leaves its own out).
+
+        Raises:
+            StoreLost: the storage is gone.
+            Exception: the storage failed.
+        """
+        ...
+
+
 class SlotMover(Protocol):
     """Copies blocks between host memory and slots of open slab files (what the slab IO
     leaves to its mover: POSIX ``pwritev``/``preadv``, or NIXL's POSIX backend)."""
 
     def write_slots(
-        self, blocks: Sequence[tuple[int, int, OffloadKey, memoryview]]
+        self,
+        blocks: Sequence[tuple[int, int, OffloadKey, memoryview]],
+        records: Records | None = None,
     ) -> list[str | None]:
-        """Write each (fd, offset, key, payload) as a whole block (header area then payload)
-        at ``offset``; per block ``None`` or why it failed (a block cut short may be left:
-        its checksum fails and nothing names it)."""
+        """Write each (fd, offset, key, payload) as a whole block (header area, with the
+        key's entry of ``records``, then payload) at ``offset``; per block ``None`` or why it
+        failed (a block cut short may be left: its checksum fails and nothing names it)."""
         ...
 
     def read_slots(
@@ -170,10 +230,13 @@ class ObjectMover(Protocol):
     its mover: s3fs batches, or NIXL's OBJ backend)."""
 
     def put_objects(
-        self, objects: Sequence[tuple[str, OffloadKey, memoryview]]
+        self,
+        objects: Sequence[tuple[str, OffloadKey, memoryview]],
+        records: Records | None = None,
     ) -> list[str | None]:
-        """Write each (path, key, payload) as one object holding the whole block; per object
-        ``None`` or why it failed (a failed object is never left half-written)."""
+        """Write each (path, key, payload) as one object holding the whole block (its header
+        with the key's entry of ``records``); per object ``None`` or why it failed (a failed
+        object is never left half-written)."""
         ...
 
     def get_objects(self, objects: Sequence[tuple[str, memoryview]]) -> list[bytes | None]:

@@ -3,12 +3,20 @@
 A block is a 4 KiB header area and the host slot's bytes (the payload)::
 
     magic "KVHXBLK1" | payload length (u64) | XXH3-64 of the payload (u64) | key length (u16)
-    | the offload key | zero padding to 4096 bytes | payload
+    | the offload key | chunk record length (u16) | CRC-32 of the chunk record (u32)
+    | the chunk record | zero padding to 4096 bytes | payload
 
-Every read verifies all of it (:func:`verify`): a header naming another key (a slot reused, a
-stale record) is a missing block, a mismatch of anything else or a short read a corrupt
-one; neither is ever served. Blocks live under ``ROOT/<namespace digest>/``, where the digest
-names what makes blocks compatible (:func:`namespace_digest`) and ``config.json`` records it
+Every read verifies the header and the payload (:func:`verify`): a header naming another
+key (a slot reused, a stale slot record) is a missing block, a mismatch of anything else or
+a short read a corrupt one; neither is ever served. The **chunk record** (the stored chunk
+described in full, :mod:`kvhex.adapters.storage.records`) is optional and checked on its
+own, by its CRC-32 (the payload's checksum does not cover it, :func:`kept_record`): a block
+without one (written before records were kept, by a job with no request, or whose record
+did not fit) has zeros there, a length of 0. Readers that do not know records ignore the
+padding, so records changed neither the layout version nor any namespace digest.
+
+Blocks live under ``ROOT/<namespace digest>/``, where the digest names what makes blocks
+compatible (:func:`namespace_digest`) and ``config.json`` records it
 (:func:`namespace_config`).
 """
 
@@ -18,6 +26,7 @@ import enum
 import hashlib
 import json
 import struct
+import zlib
 from collections.abc import Mapping
 from typing import Any, NamedTuple
 
@@ -34,13 +43,17 @@ __all__ = [
     "MAGIC",
     "MAX_HEADER_KEY_BYTES",
     "Header",
+    "KeptRecord",
     "Verdict",
     "checksum",
     "header_matches",
+    "holds_key",
+    "kept_record",
     "namespace_config",
     "namespace_digest",
     "pack_header",
     "parse_header",
+    "record_room",
     "verify",
 ]
 
@@ -59,6 +72,7 @@ DIGEST_OFFSET = struct.calcsize(">8sQ")
 """Where a header holds the payload's checksum (big-endian): the native data path packs a
 header with it zeroed and fills it in (:mod:`kvhex.adapters.storage.files.native`)."""
 _HEADER_AREA = struct.Struct(f"{HEADER.format}{MAX_HEADER_KEY_BYTES}s")  # key zero-padded
+_RECORD_HEAD = struct.Struct(">HI")  # record length, CRC-32 of the record
 CONFIG = "config.json"
 _GIL_FREE_BYTES = 1 << 16
 """From this size on, payloads are hashed by an ``xxh3_64`` object, whose constructor and
@@ -75,6 +89,17 @@ class Verdict(enum.Enum):
     """No block under that key there: nothing, an unmarked slot, or another key's block."""
     CORRUPT = "corrupt"
     """The key's block, damaged: cut short, a bad magic, length or checksum."""
+
+
+class KeptRecord(enum.Enum):
+    """What a block's header area holds after its key."""
+
+    NONE = "none"
+    """No record (zeros: an older block, a job without a request, a record too large)."""
+    INTACT = "intact"
+    """A record whose length fits and whose CRC-32 matches."""
+    DAMAGED = "damaged"
+    """A record length that does not fit the header area, or a CRC-32 mismatch."""
 
 
 class Header(NamedTuple):
@@ -104,19 +129,49 @@ def checksum(payload: memoryview | bytes) -> int:
     return xxhash.xxh3_64(payload).intdigest()  # hashed in the constructor, GIL released
 
 
-def pack_header(key: OffloadKey, payload: memoryview, digest: int | None = None) -> bytes:
+def record_room(key_bytes: int) -> int:
+    """The longest record a block under a key of ``key_bytes`` bytes keeps in its header."""
+    return MAX_HEADER_KEY_BYTES - key_bytes - _RECORD_HEAD.size
+
+
+def pack_header(
+    key: OffloadKey, payload: memoryview, digest: int | None = None, record: bytes = b""
+) -> bytes:
     """The header area of a block holding ``payload`` under ``key``, with ``digest`` as the
     payload's checksum (by default computed here; the native data path passes 0 and fills it
-    in at :data:`DIGEST_OFFSET`).
+    in at :data:`DIGEST_OFFSET`) and ``record`` (encoded, :mod:`.records`) after the key with
+    its length and CRC-32; a record longer than :func:`record_room` is left out.
 
     Raises:
         ValueError: the key does not fit the header area.
     """
-    if len(key) > MAX_HEADER_KEY_BYTES:
-        raise ValueError(f"a {len(key)}-byte key does not fit a block's header area")
+    length = len(key)
+    if length > MAX_HEADER_KEY_BYTES:
+        raise ValueError(f"a {length}-byte key does not fit a block's header area")
     if digest is None:
         digest = checksum(payload)
-    return _HEADER_AREA.pack(MAGIC, len(payload), digest, len(key), key)
+    if record and len(record) <= record_room(length):
+        tail = key + _RECORD_HEAD.pack(len(record), zlib.crc32(record)) + record
+        return _HEADER_AREA.pack(MAGIC, len(payload), digest, length, tail)
+    return _HEADER_AREA.pack(MAGIC, len(payload), digest, length, key)
+
+
+def kept_record(header: bytes) -> tuple[KeptRecord, bytes]:
+    """The record a block's header area keeps after its key, and its bytes (``b""`` unless
+    :attr:`KeptRecord.INTACT`). The header itself is not checked here (:func:`verify`)."""
+    if len(header) < HEADER.size:
+        return KeptRecord.NONE, b""
+    at = HEADER.size + HEADER.unpack_from(header)[3]
+    if at + _RECORD_HEAD.size > len(header):
+        return KeptRecord.NONE, b""
+    length, crc = _RECORD_HEAD.unpack_from(header, at)
+    if not length:
+        return KeptRecord.NONE, b""
+    at += _RECORD_HEAD.size
+    record = bytes(header[at : at + length])
+    if at + length > min(len(header), HEADER_AREA) or zlib.crc32(record) != crc:
+        return KeptRecord.DAMAGED, b""
+    return KeptRecord.INTACT, record
 
 
 def parse_header(data: bytes) -> Header | None:
@@ -126,6 +181,18 @@ def parse_header(data: bytes) -> Header | None:
         return None
     magic, length, digest, key_len = HEADER.unpack_from(data)
     return Header(magic, length, digest, bytes(data[HEADER.size : HEADER.size + key_len]))
+
+
+def holds_key(header: bytes, key: OffloadKey) -> bool:
+    """True when ``header`` is a whole block header (magic included) naming ``key``; its
+    payload is not checked."""
+    parsed = parse_header(header)
+    return (
+        parsed is not None
+        and len(header) >= HEADER_AREA
+        and parsed.magic == MAGIC
+        and parsed.key == key
+    )
 
 
 def verify(

@@ -28,6 +28,7 @@ from kvhex.adapters.storage.files.slabs import PosixSlotMover, SlabIo
 from kvhex.adapters.storage.format import HEADER_AREA, namespace_config, namespace_digest
 from kvhex.adapters.storage.object_errors import public_url, start_up_error
 from kvhex.adapters.storage.objects import ObjectIo
+from kvhex.adapters.storage.peers import check_peer_options
 from kvhex.adapters.storage.tier import BlockTierStore, default_io_threads
 from kvhex.domain.tiers import Locality, Medium, TierIdentity
 from kvhex.errors import TierUnavailable
@@ -70,11 +71,21 @@ class FsspecTierStore(BlockTierStore):
             compiler is found), ``False`` moves blocks in Python; by default the native path
             where it was built (:mod:`kvhex.adapters.storage.files.native`).
         storage_options: passed to fsspec (credentials never reach logs or events).
+        announce_peers: also announce the blocks other instances hold on the same root or
+            bucket (which this tier's gets load), under :attr:`peer_identity` (ownership
+            ``<name>@peers``), each in full from the record its header keeps (docs/tiers.md).
+            Off by default: each scan costs a look at every other instance's slot table (local
+            files) or a listing of the namespace (object stores), and a header read per new
+            block.
+        peer_scan_interval_s: seconds between the scans of ``announce_peers`` (at most 3600;
+            looked at when the tier is polled).
 
     Raises:
-        ValueError: ``capacity_bytes`` holds no block, ``io_threads`` is below 1, or
-            ``native_io`` is ``True`` where the native data path cannot run (or on an object
-            store).
+        TypeError: ``announce_peers`` is not a ``bool`` or ``peer_scan_interval_s`` not a
+            number.
+        ValueError: ``capacity_bytes`` holds no block, ``io_threads`` is below 1,
+            ``peer_scan_interval_s`` is not in (0, 3600], or ``native_io`` is ``True`` where
+            the native data path cannot run (or on an object store).
         TierUnavailable: the root cannot be created, written or listed (on an object store
             the message names the cause: no such bucket, an unknown access key id, a wrong
             secret, access denied, an endpoint down), or holds a namespace whose recorded
@@ -95,7 +106,10 @@ class FsspecTierStore(BlockTierStore):
         fsync: bool = False,
         storage_options: Mapping[str, Any] | None = None,
         native_io: bool | None = None,
+        announce_peers: bool = False,
+        peer_scan_interval_s: float = 1.0,
     ) -> None:
+        check_peer_options(announce_peers, peer_scan_interval_s)
         block = check_sizes(host, capacity_bytes, io_threads)
         fs, root, local = open_fs(url, storage_options, name)
         threads = io_threads or default_io_threads(local)
@@ -128,6 +142,8 @@ class FsspecTierStore(BlockTierStore):
             capacity_bytes=capacity_bytes,
             block_bytes=block,
             io_threads=threads,
+            announce_peers=announce_peers,
+            peer_scan_interval_s=peer_scan_interval_s,
         )
 
 

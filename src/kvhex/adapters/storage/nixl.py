@@ -36,10 +36,12 @@ import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, TypeVar
 
+from kvhex.adapters.storage.block_io import Records
 from kvhex.adapters.storage.files.slabs import SlabIo
 from kvhex.adapters.storage.format import HEADER_AREA, pack_header
 from kvhex.adapters.storage.fsspec import check_sizes, open_fs, open_namespace
 from kvhex.adapters.storage.objects import ObjectIo
+from kvhex.adapters.storage.peers import check_peer_options
 from kvhex.adapters.storage.s3_direct import REQUESTS_IN_FLIGHT
 from kvhex.adapters.storage.tier import BlockTierStore, default_io_threads
 from kvhex.domain.keys import OffloadKey
@@ -254,9 +256,12 @@ class NixlSlotMover:
         self.agents = agents
 
     def write_slots(
-        self, blocks: Sequence[tuple[int, int, OffloadKey, memoryview]]
+        self,
+        blocks: Sequence[tuple[int, int, OffloadKey, memoryview]],
+        records: Records | None = None,
     ) -> list[str | None]:
-        """Write each (fd, offset, key, payload) as a whole block."""
+        """Write each (fd, offset, key, payload) as a whole block, its header keeping the
+        key's chunk record from ``records``."""
         nixl = self.agents.get()
         errors: list[str | None] = []
         for batch in _batches(blocks, _slot_size, MAX_TRANSFER_BYTES, STAGED_HEADERS):
@@ -265,7 +270,10 @@ class NixlSlotMover:
             staged = nixl.stage(len(batch) * HEADER_AREA)
             for i, (fd, offset, key, payload) in enumerate(batch):
                 nixl.register_file(fd)
-                staged[i * HEADER_AREA : (i + 1) * HEADER_AREA] = pack_header(key, payload)
+                record = records.get(key, b"") if records else b""
+                staged[i * HEADER_AREA : (i + 1) * HEADER_AREA] = pack_header(
+                    key, payload, None, record
+                )
                 header = nixl.staging_at + i * HEADER_AREA
                 local += ((header, HEADER_AREA, 0), (_address(payload), len(payload), 0))
                 remote += ((offset, HEADER_AREA, fd), (offset + HEADER_AREA, len(payload), fd))
@@ -324,9 +332,12 @@ class NixlObjectMover:
         return path[len(self.bucket) + 1 :]
 
     def put_objects(
-        self, objects: Sequence[tuple[str, OffloadKey, memoryview]]
+        self,
+        objects: Sequence[tuple[str, OffloadKey, memoryview]],
+        records: Records | None = None,
     ) -> list[str | None]:
-        """Stage each block whole and write a batch of objects per transfer."""
+        """Stage each block whole (its header keeping the key's chunk record from
+        ``records``) and write a batch of objects per transfer."""
         nixl = self.agents.get()
         errors: list[str | None] = []
         for batch in _batches(objects, _object_size, STAGED_OBJECT_BYTES, len(objects)):
@@ -337,8 +348,11 @@ class NixlObjectMover:
             for path, key, payload in batch:
                 n = HEADER_AREA + len(payload)
                 staged[at + HEADER_AREA : at + n] = payload
+                record = records.get(key, b"") if records else b""
                 # the checksum reads the staged copy, still in the CPU cache
-                staged[at : at + HEADER_AREA] = pack_header(key, staged[at + HEADER_AREA : at + n])
+                staged[at : at + HEADER_AREA] = pack_header(
+                    key, staged[at + HEADER_AREA : at + n], None, record
+                )
                 local.append((nixl.staging_at + at, n, 0))
                 names.append((n, self._object(path)))
                 at += n
@@ -402,13 +416,15 @@ class NixlTierStore(BlockTierStore):
     """A tier moving bytes with NIXL.
 
     Args:
-        host, capacity_bytes, name, namespace, medium, locality, io_threads: as for
+        host, capacity_bytes, name, namespace, medium, locality, io_threads, announce_peers,
+            peer_scan_interval_s: as for
             :class:`~kvhex.adapters.storage.fsspec.FsspecTierStore`.
         url: a local directory (POSIX backend) or ``s3://bucket/prefix`` (OBJ backend).
         endpoint_url, access_key, secret_key, region: the object store (OBJ only); the
             bucket must exist.
 
     Raises:
+        TypeError, ValueError: a bad option, as for the fsspec tier.
         TierUnavailable: the root or bucket cannot be used, or NIXL's backend cannot load
             (each cause named).
     """
@@ -428,7 +444,10 @@ class NixlTierStore(BlockTierStore):
         access_key: str | None = None,
         secret_key: str | None = None,
         region: str = "us-east-1",
+        announce_peers: bool = False,
+        peer_scan_interval_s: float = 1.0,
     ) -> None:
+        check_peer_options(announce_peers, peer_scan_interval_s)
         block = check_sizes(host, capacity_bytes, io_threads)
         obj = url.startswith("s3://")
         options: dict[str, Any] = {}
@@ -483,4 +502,6 @@ class NixlTierStore(BlockTierStore):
             capacity_bytes=capacity_bytes,
             block_bytes=block,
             io_threads=threads,
+            announce_peers=announce_peers,
+            peer_scan_interval_s=peer_scan_interval_s,
         )

@@ -9,9 +9,13 @@ format)::
     <k0k1>/<key hex>.blk     the whole block: header area, then payload
 
 Object writes are single ``PUT``s, atomic by nature; every instance lists the namespace at
-start-up. The store, not this instance, is the truth about what exists (anyone with access may
-delete objects, a server may lose them): the tier checks what its index lists against it on
-probes and puts (``exclusive`` is false). A namespace whose ``config.json`` vanished was
+start-up (and reads the listed blocks' chunk records after it, a ranged ``GET`` of each
+header area: :meth:`ObjectIo.read_records`), and, for a tier's peer view, whenever it scans
+(:meth:`ObjectIo.peer_keys`).
+
+The store, not this instance, is the truth about what exists (anyone with access may delete
+objects, a server may lose them): the tier checks what its index lists against it on probes
+and puts (``exclusive`` is false). A namespace whose ``config.json`` vanished was
 emptied, and a bucket that no longer exists holds nothing: both raise
 :class:`~kvhex.adapters.storage.block_io.StoreLost`, and the tier announces every block gone.
 
@@ -35,12 +39,22 @@ from kvhex.adapters.storage.block_io import (
     Located,
     NamespaceConflict,
     ObjectMover,
+    Records,
     StoreLost,
 )
-from kvhex.adapters.storage.format import CONFIG, HEADER_AREA, Verdict, pack_header, verify
+from kvhex.adapters.storage.format import (
+    CONFIG,
+    HEADER_AREA,
+    Verdict,
+    holds_key,
+    pack_header,
+    verify,
+)
 from kvhex.adapters.storage.object_errors import Cause, describe, job_error
+from kvhex.adapters.storage.records import header_record
 from kvhex.adapters.storage.s3_direct import FALLBACK, REFUSED, DirectReader
 from kvhex.domain.keys import OffloadKey
+from kvhex.domain.locator import ChunkRecord
 
 __all__ = ["REFUSED_JOBS", "SUFFIX", "FsspecObjectMover", "ObjectIo"]
 
@@ -79,6 +93,8 @@ class ObjectIo:
 
     exclusive = False
     """Anyone with access may delete objects: the store is the truth."""
+    records_by_request = True
+    """A block's chunk record costs a ranged GET."""
 
     def __init__(
         self, fs: Any, root: str, *, config: bytes, mover: ObjectMover | None = None
@@ -129,16 +145,20 @@ class ObjectIo:
         found: list[tuple[float, OffloadKey]] = []
         foreign = 0
         for path, mtime in self._walk():
-            name = path.rsplit("/", 1)[-1]
-            if name == CONFIG:
-                continue
-            key = _key_from_hex(name[: -len(SUFFIX)]) if name.endswith(SUFFIX) else None
-            if key is None or path != self.path(key):
-                foreign += 1
+            key = self._key_of(path)
+            if key is None:
+                if path.rsplit("/", 1)[-1] != CONFIG:
+                    foreign += 1
                 continue
             found.append((mtime, key))
         found.sort(key=lambda f: f[0])
         return Inventory([key for _, key in found], foreign)
+
+    def _key_of(self, path: str) -> OffloadKey | None:
+        """The key whose block ``path`` is, or ``None`` (``config.json``, a foreign one)."""
+        name = path.rsplit("/", 1)[-1]
+        key = _key_from_hex(name[: -len(SUFFIX)]) if name.endswith(SUFFIX) else None
+        return key if key is not None and path == self.path(key) else None
 
     def _walk(self) -> Iterable[tuple[str, float]]:
         try:
@@ -157,15 +177,19 @@ class ObjectIo:
 
     # -- BlockIo -------------------------------------------------------------------------
     def write_many(
-        self, items: Sequence[tuple[OffloadKey, memoryview]], evict: Sequence[OffloadKey] = ()
+        self,
+        items: Sequence[tuple[OffloadKey, memoryview]],
+        evict: Sequence[OffloadKey] = (),
+        records: Records | None = None,
     ) -> list[str | None]:
-        """Delete the victims (one bulk request), then PUT ``items`` as one concurrent
-        batch; per item ``None`` or why it was not stored."""
+        """Delete the victims (one bulk request), then PUT ``items`` (with their chunk
+        ``records`` in their headers) as one concurrent batch; per item ``None`` or why it
+        was not stored."""
         if evict:
             self.remove_many(evict)
         if not items:
             return []
-        errors = self.mover.put_objects([(self.path(k), k, v) for k, v in items])
+        errors = self.mover.put_objects([(self.path(k), k, v) for k, v in items], records)
         if any(e is not None for e in errors) and not self._namespace_intact():
             raise StoreLost(f"{self.url} is gone: its {CONFIG} vanished")
         return errors
@@ -195,6 +219,44 @@ class ObjectIo:
         if len(found) < len(by_path) and not self._namespace_intact():
             raise StoreLost(f"{self.url} is gone: its {CONFIG} vanished")
         return {by_path[p] for p in found}
+
+    def read_records(self, keys: Sequence[OffloadKey]) -> dict[OffloadKey, ChunkRecord | None]:
+        """The chunk record kept in each key's object: a ranged GET of its header area per
+        object, all of them concurrently (one s3fs ``cat_ranges``). Keys without an object
+        (or whose object is not a block of theirs) are left out.
+
+        Raises:
+            StoreLost: the bucket is gone.
+            OSError: the store failed; the message names the cause.
+        """
+        if not keys:
+            return {}
+        paths = [self.path(k) for k in keys]
+        try:
+            got = self.fs.cat_ranges(paths, 0, HEADER_AREA, on_error="return")
+        except Exception as exc:
+            raise _failure(exc, self.url) from exc
+        out: dict[OffloadKey, ChunkRecord | None] = {}
+        for key, header in zip(keys, got, strict=True):
+            if isinstance(header, FileNotFoundError):
+                continue
+            if isinstance(header, BaseException):
+                raise _failure(header, self.url) from header
+            if holds_key(header, key):
+                out[key] = header_record(header, key)
+        return out
+
+    def peer_keys(self) -> set[OffloadKey]:
+        """Every key listed under the namespace now (this instance's included: on an object
+        store a block belongs to no one instance).
+
+        Raises:
+            OSError: the listing failed; the message names the cause.
+        """
+        try:
+            return {key for path, _ in self._walk() if (key := self._key_of(path)) is not None}
+        except Exception as exc:
+            raise _failure(exc, self.url) from exc
 
     def remove_many(self, keys: Sequence[OffloadKey]) -> None:
         """Delete the blocks of ``keys`` in one batch (one bulk request on S3)."""
@@ -265,15 +327,19 @@ class FsspecObjectMover:
         self._refused_jobs = 0  # jobs in a row whose every own GET s3fs had to serve
 
     def put_objects(
-        self, objects: Sequence[tuple[str, OffloadKey, memoryview]]
+        self,
+        objects: Sequence[tuple[str, OffloadKey, memoryview]],
+        records: Records | None = None,
     ) -> list[str | None]:
-        """PUT every object; after a failed batch, what landed counts as written."""
+        """PUT every object (its header keeping the key's chunk record from ``records``);
+        after a failed batch, what landed counts as written."""
         payload = {}
         for path, key, view in objects:
             data = bytearray(HEADER_AREA + len(view))
             data[HEADER_AREA:] = view
+            record = records.get(key, b"") if records else b""
             # the checksum reads the copy, still in the CPU cache, not the slot again
-            data[:HEADER_AREA] = pack_header(key, memoryview(data)[HEADER_AREA:])
+            data[:HEADER_AREA] = pack_header(key, memoryview(data)[HEADER_AREA:], None, record)
             payload[path] = data
         try:
             self.fs.pipe(payload)

@@ -19,6 +19,11 @@ What the residency decides on the scheduler thread, the IO threads carry out:
   (whose room the removal frees) waits for it: nothing announced removed is ever served again,
   and a put right after a delete finds the room the delete freed.
 * Losing the storage itself (a deleted bucket) drops and announces everything.
+* Records: a put whose job has a request keeps each block's chunk record (computed here, on
+  the scheduler thread, from the request's live tokens; encoded on the IO thread) in the
+  block's header, so a restart announces adopted blocks in full, and with ``announce_peers``
+  the tier also announces the blocks other instances hold on the same storage under its
+  ``peer_identity`` (:mod:`kvhex.adapters.storage.peers`).
 
 Threads: submissions, ``poll``, ``delete`` and every use of the residency and the event list
 run on the scheduler thread only; IO runs on a pool of ``io_threads`` and never touches them.
@@ -33,18 +38,24 @@ from typing import Any
 
 import structlog
 
+from kvhex.adapters.storage.adoption import Adoption, described
 from kvhex.adapters.storage.block_io import (
     BlockIo,
     Located,
     Locating,
+    PeerListing,
+    RecordReading,
     StoreLost,
     safe_error,
 )
 from kvhex.adapters.storage.format import Verdict
 from kvhex.adapters.storage.io_pool import IoPool, IoTask, TaskCancelled
-from kvhex.domain.events import TierEvent
+from kvhex.adapters.storage.peers import PeerScan
+from kvhex.adapters.storage.records import chunk_records, encode_records
+from kvhex.domain.events import Stored, TierEvent
 from kvhex.domain.jobs import JobKind, JobResult, TierJob
 from kvhex.domain.keys import OffloadKey
+from kvhex.domain.locator import ChunkRecord
 from kvhex.domain.residency import Reservation, Residency, Snapshot
 from kvhex.domain.tiers import TierIdentity
 from kvhex.errors import TierUnavailable
@@ -78,6 +89,13 @@ class BlockTierStore:
         capacity_bytes: bytes the tier may hold, ``block_bytes`` a block.
         block_bytes: what one block costs in storage (header area included).
         io_threads: concurrent IO jobs.
+        announce_peers: also announce the blocks other instances hold on the same storage,
+            under :attr:`peer_identity` (``io`` must list them: local slabs and objects do).
+        peer_scan_interval_s: seconds between the scans of the peer view.
+
+    Raises:
+        ValueError: ``capacity_bytes`` holds no block, or ``announce_peers`` on an ``io``
+            that cannot list other instances' blocks.
     """
 
     def __init__(
@@ -89,11 +107,16 @@ class BlockTierStore:
         capacity_bytes: int,
         block_bytes: int,
         io_threads: int,
+        announce_peers: bool = False,
+        peer_scan_interval_s: float = 1.0,
     ) -> None:
         self._host = host
         self._io = io
         self._identity = identity
         self._name = identity.ownership or "tier"
+        self._peer_identity = TierIdentity(
+            identity.medium, identity.locality, f"{self._name}@peers"
+        )
         self.capacity_bytes = capacity_bytes
         self.io_threads = io_threads
         try:
@@ -102,6 +125,7 @@ class BlockTierStore:
             io.close()
             raise
         self._exclusive = io.exclusive
+        self._events: list[TierEvent] = []  # the tier's own, before the residency's
         self._jobs: dict[IoTask, _Job] = {}
         # removals in flight; finished tasks queue themselves in the pool, so poll costs what
         # finished, not what is in flight
@@ -112,12 +136,23 @@ class BlockTierStore:
         self.io_errors = 0
         self._pool = IoPool(io_threads, f"kvhex-{self._name}")
         self._closed = False
+        self._peers: PeerScan | None = None
+        self._adoption: Adoption | None = None
         try:
+            if announce_peers:
+                if not isinstance(io, PeerListing) or not isinstance(io, RecordReading):
+                    raise ValueError(
+                        "announce_peers: this storage cannot list other instances' blocks"
+                    )
+                self._peers = PeerScan(
+                    io, self._peer_identity, peer_scan_interval_s, self._pool, tier=self._name
+                )
             inventory = io.inventory()
             self.foreign_files = inventory.foreign
             over = self._index.adopt(inventory.blocks)
             if over:
                 io.remove_many(over)
+            self._announce_adopted(self._index.take_events())
         except BaseException:  # nothing half-started stays: locks, files, agents released
             self.close()
             raise
@@ -135,6 +170,12 @@ class BlockTierStore:
     def identity(self) -> TierIdentity:
         """Medium, locality and ownership announced in events."""
         return self._identity
+
+    @property
+    def peer_identity(self) -> TierIdentity:
+        """The identity of other instances' blocks in this tier's events (its medium and
+        locality, ownership ``<name>@peers``); announced only with ``announce_peers``."""
+        return self._peer_identity
 
     def submit_put(self, job: TierJob) -> None:
         """Reserve room (evictions announced now) and write the new keys on an IO thread."""
@@ -159,7 +200,8 @@ class BlockTierStore:
         if leaving and not leaving.keys().isdisjoint(owned):
             waits += {leaving[k] for k in owned if k in leaving}
         victims = list(reservation.victims)
-        task = self._pool.submit(self._do_put, writes, checks, victims, waits)
+        records = chunk_records(job.ctx, [k for k, _ in (*writes, *checks)])
+        task = self._pool.submit(self._do_put, writes, checks, victims, waits, records)
         self._remove_later(victims, task)
         self._start(job, reservation, task)
 
@@ -186,17 +228,32 @@ class BlockTierStore:
         self._start(job, snapshot, self._pool.submit(self._do_probe, frozenset(known), asked))
 
     def poll(self) -> list[JobResult]:
-        """Results of finished jobs, each once; applies them to the residency and events."""
+        """Results of finished jobs, each once; applies them to the residency and events.
+        With ``announce_peers``, also applies a finished scan of the peer view and starts
+        the next one when it is due."""
         results = []
         finished = self._pool.finished
+        peers = self._peers
         while finished:
             task = finished.popleft()
+            adoption = self._adoption
+            if adoption is not None and task is adoption.task:
+                if not self._closed:  # else never announced, as its removals were not
+                    self._events += adoption.announce(self._index.take_events())
+                    self._adoption = None
+                continue
+            if peers is not None and peers.owns(task):
+                own = None if self._exclusive else self._holds
+                peers.finished(task, own, self._events)
+                continue
             removed = self._removals.pop(task, None)
             if removed is not None:
                 self._removed(task, removed)
             entry = self._jobs.pop(task, None)
             if entry is not None:
                 results.append(self._apply(entry, task))
+        if peers is not None and not self._closed:
+            peers.tick(time.monotonic())
         return results
 
     def delete(self, keys: Sequence[OffloadKey]) -> None:
@@ -207,8 +264,10 @@ class BlockTierStore:
             self._remove_later(removed)
 
     def drain(self) -> None:
-        """Block until every submitted job and removal finished."""
-        self._pool.wait([*self._jobs, *self._removals])
+        """Block until every submitted job and removal finished (and the reading of the
+        records of the blocks adopted at start-up, where it runs after it)."""
+        adoption = () if self._adoption is None else (self._adoption.task,)
+        self._pool.wait([*self._jobs, *self._removals, *adoption])
 
     def close(self) -> None:
         """Finish running IO, cancel queued jobs (reported failed by the next poll, their room
@@ -216,12 +275,22 @@ class BlockTierStore:
         if self._closed:
             return
         self._closed = True
+        if self._peers is not None:
+            self._peers.close()
         self._pool.close()
         self._io.close()
 
     def take_events(self) -> list[TierEvent]:
-        """Events since the last call."""
-        return self._index.take_events()
+        """Events since the last call: under :attr:`identity` the blocks this instance
+        holds, and with ``announce_peers`` under :attr:`peer_identity` the blocks other
+        instances hold."""
+        events = self._index.take_events()
+        if self._adoption is not None:  # its blocks are not announced yet
+            events = self._adoption.hide(events)
+        if self._events:
+            events = self._events + events
+            self._events = []
+        return events
 
     # -- introspection -------------------------------------------------------------------
     def __contains__(self, key: object) -> bool:
@@ -235,6 +304,16 @@ class BlockTierStore:
     def used_bytes(self) -> int:
         """Bytes held, or reserved by puts in flight."""
         return self._index.used_bytes
+
+    @property
+    def peer_blocks(self) -> int:
+        """Other instances' blocks announced under :attr:`peer_identity` now."""
+        return 0 if self._peers is None else len(self._peers)
+
+    @property
+    def peer_scans(self) -> int:
+        """Scans of the peer view done so far (failed ones included)."""
+        return 0 if self._peers is None else self._peers.scans
 
     def location(self, key: OffloadKey) -> Located:
         """Where ``key``'s block lives: a file or object path and the offset of its header.
@@ -255,6 +334,24 @@ class BlockTierStore:
 
     def _absent(self, key: OffloadKey) -> bool:
         return key not in self._index and not self._index.is_pending(key)
+
+    def _holds(self, key: OffloadKey) -> bool:
+        return not self._absent(key)
+
+    def _announce_adopted(self, events: list[TierEvent]) -> None:
+        """Announce the blocks adopted at start-up (``events``: their ``Stored``, if any)
+        with their records: read now, or by an IO job where each costs a request."""
+        io = self._io
+        if not isinstance(io, RecordReading):
+            self._events = events
+            return
+        for event in events:
+            if not isinstance(event, Stored):
+                self._events.append(event)
+            elif io.records_by_request:
+                self._adoption = Adoption(event, io, self._pool, tier=self._name)
+            else:
+                self._events.append(described(event, io, tier=self._name))
 
     def _readable_now(self, key: OffloadKey) -> bool:
         """Whether a read may look for ``key``: not while this instance writes it (not
@@ -341,6 +438,11 @@ class BlockTierStore:
             return JobResult(job.job_id, False, seconds=seconds, error=_describe(outcome))
         ok, corrupt, missing = outcome
         dropped = self._index.release(snapshot, ok, corrupt + missing, job.ctx)
+        if self._peers is not None and (corrupt or missing):
+            # a block not this instance's when the read started is another's: the view
+            # drops it
+            held = snapshot.serials
+            self._peers.lost([k for k in corrupt + missing if k not in held], self._events)
         if dropped:
             self._remove_later(dropped)
             self.lost_blocks += len(dropped)
@@ -387,8 +489,10 @@ class BlockTierStore:
         checks: list[tuple[OffloadKey, int]],
         victims: list[OffloadKey],
         waits: list[IoTask],
+        records: dict[OffloadKey, ChunkRecord] | None,
     ) -> _PutOutcome:
         self._pool.wait(waits)  # removals submitted earlier: they hold a thread or are done
+        encoded = encode_records(records)
         lost: list[OffloadKey] = []
         if checks:
             there = self._io.exists_many([k for k, _ in checks])
@@ -396,7 +500,7 @@ class BlockTierStore:
             lost = [k for k, _ in redo]
             writes = writes + redo
         view = self._host.slot_view
-        errors = self._io.write_many([(k, view(s)) for k, s in writes], victims)
+        errors = self._io.write_many([(k, view(s)) for k, s in writes], victims, encoded)
         written = [k for (k, _), err in zip(writes, errors, strict=True) if err is None]
         return written, lost, next((e for e in errors if e is not None), None)
 

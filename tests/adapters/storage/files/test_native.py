@@ -21,7 +21,14 @@ from hypothesis import strategies as st
 from kvhex.adapters.memory import MemoryHostBuffer
 from kvhex.adapters.storage.files import native, slabs
 from kvhex.adapters.storage.files.slabs import PosixSlotMover
-from kvhex.adapters.storage.format import HEADER_AREA, Verdict, verify
+from kvhex.adapters.storage.format import (
+    HEADER_AREA,
+    KeptRecord,
+    Verdict,
+    kept_record,
+    record_room,
+    verify,
+)
 from kvhex.adapters.storage.fsspec import FsspecTierStore
 from kvhex.domain.keys import OffloadKey
 from tests.adapters.jobs import key
@@ -114,12 +121,16 @@ def test_both_paths_write_the_same_bytes_and_read_them_back_alike(
     monkeypatch.setattr(slabs, "_RUN_BYTES", run_limit or (1 << 40))
     gap = gaps.draw(st.lists(st.booleans(), min_size=len(sizes), max_size=len(sizes)))
     host = random_host(len(sizes), 1 << 18, len(sizes))
+    # chunk records in every other header, of every length up to the longest that fits
+    room = record_room(len(key(1)))
+    records = {key(i + 1): bytes([i + 1]) * (1 + i * 397 % room) for i in range(0, len(sizes), 2)}
     files = {}
     for name, mover in (("py", PosixSlotMover(native=False)), ("c", PosixSlotMover(native=True))):
         path = tmp_path / f"{name}-{len(sizes)}-{run_limit}.bin"
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
         try:
-            assert mover.write_slots(layout(fd, sizes, gap, host)) == [None] * len(sizes)
+            written = mover.write_slots(layout(fd, sizes, gap, host), records)
+            assert written == [None] * len(sizes)
             files[name] = path.read_bytes()
             for reader in (PosixSlotMover(native=False), PosixSlotMover(native=True)):
                 views = [
@@ -137,6 +148,10 @@ def test_both_paths_write_the_same_bytes_and_read_them_back_alike(
                     assert digest in (None, xxhash.xxh3_64_intdigest(payload))
                     assert (digest is None) is (not reader.native)
                     assert verify(header, k, view, digest) is Verdict.OK
+                    if k in records:
+                        assert kept_record(header) == (KeptRecord.INTACT, records[k])
+                    else:
+                        assert kept_record(header) == (KeptRecord.NONE, b"")
         finally:
             os.close(fd)
     assert files["c"] == files["py"]

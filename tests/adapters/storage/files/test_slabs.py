@@ -14,7 +14,7 @@ import signal
 import subprocess
 import sys
 import threading
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 
 import pytest
@@ -102,12 +102,14 @@ class Recording(PosixSlotMover):
         self.before = before
 
     def write_slots(
-        self, blocks: Sequence[tuple[int, int, OffloadKey, memoryview]]
+        self,
+        blocks: Sequence[tuple[int, int, OffloadKey, memoryview]],
+        records: Mapping[OffloadKey, bytes] | None = None,
     ) -> list[str | None]:
         self.files.append({fd for fd, _, _, _ in blocks})
         if callable(self.before):
             self.before(blocks)
-        return super().write_slots(blocks)
+        return super().write_slots(blocks, records)
 
 
 def test_capacity_is_spread_over_one_slab_file_per_stripe(
@@ -403,8 +405,8 @@ from tests.adapters.storage.files.test_slabs import BLOCK, CONFIG, SLOT
 
 class DiesAfterWriting(PosixSlotMover):
     armed = False
-    def write_slots(self, blocks):
-        errors = super().write_slots(blocks)
+    def write_slots(self, blocks, records=None):
+        errors = super().write_slots(blocks, records)
         if self.armed:
             os.kill(os.getpid(), signal.SIGKILL)  # the blocks are written, not published
         return errors

@@ -66,7 +66,8 @@ def test_store_cascade_reset_promote_and_restart_on_real_files(tmp_path: Path) -
     stored = [e for b in sink.batches for e in b.events if isinstance(e, BlockStored)]
     (disk,) = [e for e in stored if e.medium == "STORAGE"]  # the put's 4 chunks: one chain
     assert disk.block_hashes == [k[:-4] for k in keys]
-    assert not disk.is_placeholder and disk.ownership is None
+    assert not disk.is_placeholder
+    assert disk.ownership is None
     eng.reset()
     reader = make_request("r", list(range(16)), GEO)
     assert settle(eng, reader, keys[2]) is LookupResult.HIT

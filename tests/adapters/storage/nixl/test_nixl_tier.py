@@ -14,6 +14,7 @@ from kvhex.adapters.storage.s3_direct import REQUESTS_IN_FLIGHT
 from kvhex.domain import JobId, JobKind, Removed, Stored, TierJob
 from tests.adapters.conftest import CREDENTIALS, Wire
 from tests.adapters.jobs import key, run
+from tests.adapters.storage.peer_kit import Events, blocks, fill, put, request, started
 
 SLOT = 4096
 NS = {"model": "tiny-llama"}
@@ -155,3 +156,67 @@ def test_obj_jobs_move_their_blocks_side_by_side(wire_s3_server: Wire) -> None:
         bytes([s + 1]) * SLOT for s in range(blocks)
     ]
     assert wire.peak == {"PUT": 16, "GET": 16}
+
+
+def test_posix_blocks_keep_records_a_restart_and_a_peer_announce_in_full(tmp_path: Path) -> None:
+    """NIXL's POSIX mover stages each header with its chunk record: a restart announces the
+    adopted blocks in full, as a peer with ``announce_peers`` announced them before."""
+    host = MemoryHostBuffer(8, SLOT)
+    fill(host, range(8), 5)
+    store = NixlTierStore(host, str(tmp_path), capacity_bytes=1 << 20, namespace=NS)
+    peer = NixlTierStore(
+        host,
+        str(tmp_path),
+        capacity_bytes=1 << 20,
+        namespace=NS,
+        name="peer",
+        announce_peers=True,
+        peer_scan_interval_s=0.05,
+    )
+    ctx, keys = request("r", 3, cache_salt="s")
+    assert put(store, keys, ctx).success
+    want, _ = blocks(store.take_events())
+    on_peer = Events(peer)
+    on_peer.until(lambda: on_peer.held(peer.peer_identity) == set(keys), "the peer credits them")
+    assert blocks(on_peer.raw) == (want, [])
+    peer.close()
+    store.close()
+    again = NixlTierStore(host, str(tmp_path), capacity_bytes=1 << 20, namespace=NS)
+    assert blocks(again.take_events()) == (want, [])
+    again.close()
+
+
+def test_obj_blocks_keep_records_the_fsspec_tier_reads(s3_server: str, bucket: str) -> None:
+    """NIXL's OBJ mover writes the fsspec tier's objects, records included: an fsspec tier
+    listing the bucket announces NIXL's blocks in full."""
+    from kvhex.adapters.storage.fsspec import FsspecTierStore
+    from tests.adapters.conftest import s3_options
+
+    host = MemoryHostBuffer(8, SLOT)
+    fill(host, range(8), 5)
+    store = NixlTierStore(
+        host,
+        f"s3://{bucket}/kv",
+        capacity_bytes=1 << 20,
+        namespace=NS,
+        endpoint_url=s3_server,
+        access_key=CREDENTIALS["key"],
+        secret_key=CREDENTIALS["secret"],
+        locality=None,
+    )
+    ctx, keys = request("r", 3, lora_id=2, lora_name="adapter")
+    try:
+        assert put(store, keys, ctx).success
+        want, _ = blocks(store.take_events())
+    finally:
+        store.close()
+    reader = FsspecTierStore(
+        host,
+        f"s3://{bucket}/kv",
+        capacity_bytes=1 << 20,
+        namespace=NS,
+        storage_options=s3_options(s3_server),
+        locality=None,
+    )
+    assert blocks(started(reader).take_events()) == (want, [])
+    reader.close()

@@ -15,6 +15,7 @@ from kvhex.domain import JobKind, Removed, Stored
 from kvhex.errors import TierUnavailable
 from tests.adapters.conftest import CREDENTIALS, Wire, s3_options
 from tests.adapters.jobs import key, run
+from tests.adapters.storage.peer_kit import started
 
 SLOT = 2048
 NS = {"model": "tiny-llama", "dtype": "float16"}
@@ -88,7 +89,7 @@ def test_restart_and_a_second_instance_see_the_bucket(s3_server: str, bucket: st
     first = tier(host, s3_server, bucket, name="a")
     fill(host, 3, 7)
     assert run(first, JobKind.PUT, [1, 2, 3]).success
-    other = tier(host, s3_server, bucket, name="b")
+    other = started(tier(host, s3_server, bucket, name="b"))
     (inventory,) = other.take_events()
     assert isinstance(inventory, Stored)
     assert set(inventory.keys) == {key(1), key(2), key(3)}
@@ -202,7 +203,7 @@ def test_an_emptied_namespace_is_announced_as_every_block_gone(s3_server: str, b
     assert run(store, JobKind.PUT, [4], [0]).success  # the namespace works again
     assert events_of(store) == [("stored", {4})]
     store.close()
-    again = tier(host, s3_server, bucket)  # and restarts into the same namespace
+    again = started(tier(host, s3_server, bucket))  # and restarts into the same namespace
     assert events_of(again) == [("stored", {4})]
     again.close()
 

@@ -6,8 +6,10 @@ the directory's name; that every slab file starts with a slot table and holds al
 that every record of the tables names a slot whose header names the record's key and whose
 payload matches the header's checksum; and it reports slots that hold a whole-looking block
 without a record (orphans: a crash between a block's write and its record leaves them;
-harmless, the slot is reused), slabs a crash left half-created, and files the tier does not
-know (foreign, ignored by the tier).
+harmless, the slot is reused), intact blocks whose chunk record (kept in the header, beside
+the key) fails its CRC-32 or does not parse (harmless: the block is announced as a
+placeholder, and served), slabs a crash left half-created, and files the tier does not know
+(foreign, ignored by the tier).
 
 Findings per record:
 
@@ -47,13 +49,17 @@ from kvhex.adapters.storage.format import (
     HEADER_AREA,
     LAYOUT_VERSION,
     MAGIC,
+    KeptRecord,
     header_matches,
+    kept_record,
     namespace_digest,
     parse_header,
 )
+from kvhex.adapters.storage.records import decode_record
 from kvhex.domain.keys import OffloadKey
 
 __all__ = [
+    "BadRecord",
     "BlockFinding",
     "Finding",
     "FsckReport",
@@ -94,12 +100,21 @@ class Orphan:
 
 
 @attrs.frozen
+class BadRecord:
+    """An intact block whose chunk record is damaged (harmless: announced as a placeholder)."""
+
+    key: str
+    slab: str
+    slot: int
+
+
+@attrs.frozen
 class NamespaceReport:
     """The verdict on one namespace directory.
 
     ``problems`` are namespace-wide (configuration, slab tables and sizes); ``findings`` name
     single blocks. ``block_bytes`` counts the payload of intact blocks, ``slab_bytes`` the
-    size of the slab files.
+    size of the slab files. ``bad_records`` and ``orphans`` are harmless.
     """
 
     name: str
@@ -116,6 +131,7 @@ class NamespaceReport:
     slabs: int
     slab_bytes: int
     block_bytes: int
+    bad_records: tuple[BadRecord, ...] = ()
 
     @property
     def clean(self) -> bool:
@@ -196,6 +212,7 @@ class _Checker:
     problems: list[str] = attrs.Factory(list)
     findings: list[BlockFinding] = attrs.Factory(list)
     orphans: list[Orphan] = attrs.Factory(list)
+    bad_records: list[BadRecord] = attrs.Factory(list)
     unfinished: list[str] = attrs.Factory(list)
     foreign: list[str] = attrs.Factory(list)
     ok: int = 0
@@ -226,6 +243,7 @@ class _Checker:
             slabs=self.slab_count,
             slab_bytes=self.slab_bytes,
             block_bytes=self.ok * (slot_bytes or 0),
+            bad_records=tuple(self.bad_records),
         )
 
     # -- namespace-wide ------------------------------------------------------------------
@@ -332,6 +350,11 @@ class _Checker:
         payload = memoryview(data)[HEADER_AREA:]
         if len(payload) == slot_bytes and header_matches(header, OffloadKey(key), payload):
             self.ok += 1
+            state, record = kept_record(header)
+            if state is KeptRecord.DAMAGED or (
+                state is KeptRecord.INTACT and decode_record(record, OffloadKey(key)) is None
+            ):
+                self.bad_records.append(BadRecord(key.hex(), slab, slot))
             return
         finding, reason = _diagnose(header, key, slot_bytes, len(payload))
         self._found(key, finding, reason, slab, slot)

@@ -321,6 +321,13 @@ class PeerTables:
                     found[key] = (peer.path, peer.fd, slot, peer.base)
             return found
 
+    def keys(self) -> set[OffloadKey]:
+        """Every key other instances' tables name, read afresh as :meth:`find` reads them
+        (a key two slabs name is one entry)."""
+        with self._lock:
+            self._refresh()
+            return set(self._where)
+
     def _refresh(self) -> None:
         try:
             names = os.listdir(self._dir)

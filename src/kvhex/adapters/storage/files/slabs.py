@@ -25,7 +25,9 @@ At start-up an instance adopts the slabs of instances that died (their lock is f
 their blocks; a key found in several adopted slabs is kept once, the newest. Other instances'
 blocks are found through their slabs' tables
 (:class:`~kvhex.adapters.storage.files.index.PeerTables`) and read from their slabs, never
-removed here.
+removed here. Each block's header keeps its chunk record where its put had one
+(:mod:`kvhex.adapters.storage.records`), read back by :meth:`SlabIo.read_records` (a restart,
+a peer view) with a ``pread`` of the header area.
 
 Threads: every method may run on any IO thread; ``_lock`` guards slabs, free lists and the
 block map. No syscall runs under ``_lock`` but creating a slab.
@@ -48,6 +50,7 @@ from kvhex.adapters.storage.block_io import (
     Inventory,
     Located,
     NamespaceConflict,
+    Records,
     SlotMover,
     oserror,
     write_fully,
@@ -74,10 +77,13 @@ from kvhex.adapters.storage.format import (
     HEADER_AREA,
     MAGIC,
     Verdict,
+    holds_key,
     pack_header,
     verify,
 )
+from kvhex.adapters.storage.records import header_record
 from kvhex.domain.keys import OffloadKey
+from kvhex.domain.locator import ChunkRecord
 
 __all__ = ["SLAB_BYTES", "PosixSlotMover", "SlabIo"]
 
@@ -155,6 +161,8 @@ class SlabIo:
 
     exclusive = True
     """Only this instance frees the slots of the slabs it holds locked."""
+    records_by_request = False
+    """A block's chunk record is one ``pread`` away."""
 
     def __init__(
         self,
@@ -355,10 +363,14 @@ class SlabIo:
 
     # -- BlockIo -------------------------------------------------------------------------
     def write_many(
-        self, items: Sequence[tuple[OffloadKey, memoryview]], evict: Sequence[OffloadKey] = ()
+        self,
+        items: Sequence[tuple[OffloadKey, memoryview]],
+        evict: Sequence[OffloadKey] = (),
+        records: Records | None = None,
     ) -> list[str | None]:
-        """Remove the victims ``evict`` (their records first), write ``items`` into their
-        slots and free ones, publish the written blocks; per item ``None`` or why it was not
+        """Remove the victims ``evict`` (their slot records first), write ``items`` into
+        their slots and free ones (each block's header keeping its chunk record from
+        ``records``), publish the written blocks; per item ``None`` or why it was not
         stored."""
         victims = self._take(evict)
         if victims:
@@ -377,7 +389,8 @@ class SlabIo:
                 [
                     (slab.fd, slab.base + slot * size, *items[i])
                     for i, (slab, slot) in zip(fit, slots, strict=False)
-                ]
+                ],
+                records,
             )
         except BaseException:  # a bug or a backend failure outside per-block handling
             self._free(slots + spare)
@@ -452,6 +465,27 @@ class SlabIo:
             key, view = items[i]
             verdicts[i] = verify(header, key, view, digest)
         return verdicts
+
+    def read_records(self, keys: Sequence[OffloadKey]) -> dict[OffloadKey, ChunkRecord | None]:
+        """The chunk record kept in the header of each key's block (this instance's copy,
+        else another's): one ``pread`` of the header area per block. Keys whose block is not
+        there (no slot record names one, or its slot holds another block now) are left
+        out."""
+        out: dict[OffloadKey, ChunkRecord | None] = {}
+        for key, place in zip(keys, self._locate(keys), strict=True):
+            if place is None:
+                continue
+            try:
+                header = os.pread(place[0], HEADER_AREA, place[1])
+            except OSError:  # a peer's slab closed meanwhile: nothing known of it
+                continue
+            if holds_key(header, key):
+                out[key] = header_record(header, key)
+        return out
+
+    def peer_keys(self) -> set[OffloadKey]:
+        """Every key the slot tables of other instances' slabs name now."""
+        return self.peers.keys()
 
     def remove_many(self, keys: Sequence[OffloadKey]) -> None:
         """Remove the blocks of ``keys`` this instance owns: rows first, then the slots."""
@@ -533,18 +567,22 @@ class PosixSlotMover:
         return self._native is not None
 
     def write_slots(
-        self, blocks: Sequence[tuple[int, int, OffloadKey, memoryview]]
+        self,
+        blocks: Sequence[tuple[int, int, OffloadKey, memoryview]],
+        records: Records | None = None,
     ) -> list[str | None]:
-        """Write each (fd, offset, key, payload); a run cut short fails all its blocks."""
+        """Write each (fd, offset, key, payload), its header keeping the key's chunk record
+        from ``records``; a run cut short fails all its blocks."""
         if self._native is not None:
-            return self._write_native(self._native, blocks)
+            return self._write_native(self._native, blocks, records)
         errors: list[str | None] = [None] * len(blocks)
         for run in _runs([(fd, off, len(p)) for fd, off, _, p in blocks], _RUN_BYTES):
             parts: list[bytes | memoryview] = []
             nbytes = 0
             for i in run:
                 _, _, key, payload = blocks[i]
-                parts += (pack_header(key, payload), payload)
+                record = records.get(key, b"") if records else b""
+                parts += (pack_header(key, payload, None, record), payload)
                 nbytes += HEADER_AREA + len(payload)
             fd, offset, _, _ = blocks[run[0]]
             try:
@@ -556,10 +594,19 @@ class PosixSlotMover:
 
     @staticmethod
     def _write_native(
-        io: ModuleType, blocks: Sequence[tuple[int, int, OffloadKey, memoryview]]
+        io: ModuleType,
+        blocks: Sequence[tuple[int, int, OffloadKey, memoryview]],
+        records: Records | None,
     ) -> list[str | None]:
+        # the headers, chunk records included, are packed here; the native call fills in
+        # each payload's checksum at DIGEST_OFFSET
+        if records:
+            get = records.get
+            headers = [bytearray(pack_header(k, p, 0, get(k, b""))) for _, _, k, p in blocks]
+        else:
+            headers = [bytearray(pack_header(k, p, 0)) for _, _, k, p in blocks]
         codes = io.write_blocks(
-            [(fd, off, bytearray(pack_header(k, p, 0)), p) for fd, off, k, p in blocks],
+            [(fd, off, h, p) for (fd, off, _, p), h in zip(blocks, headers, strict=True)],
             DIGEST_OFFSET,
             _RUN_BYTES,
         )
