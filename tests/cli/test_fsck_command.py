@@ -98,3 +98,26 @@ def test_a_root_holding_no_kvhex_tier_exits_3_saying_so(tmp_path: Path) -> None:
     report = json.loads(done.stdout)  # --json still prints what it found
     assert report["namespaces"] == []
     assert sorted(report["foreign"]) == ["notes.txt", "photos/"]
+
+
+def test_a_damaged_chunk_record_is_reported_harmless(tmp_path: Path) -> None:
+    from kvhex.adapters.storage.format import HEADER
+    from tests.adapters.storage.peer_kit import put, request
+
+    host = MemoryHostBuffer(4, SLOT)
+    store = FsspecTierStore(host, str(tmp_path), capacity_bytes=1 << 20, namespace={"m": 1})
+    ctx, keys = request("r", 2)
+    assert put(store, keys, ctx).success  # blocks stored by a request keep its record
+    path, offset = store.location(keys[1])
+    store.close()
+    at = offset + HEADER.size + len(keys[1]) + 16  # a byte inside the record
+    with open(path, "r+b") as f:
+        f.seek(at)
+        byte = f.read(1)[0]
+        f.seek(at)
+        f.write(bytes([byte ^ 0x20]))
+    done = kvhex("fsck", str(tmp_path))
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert f"bad record {keys[1].hex()}" in done.stdout
+    assert "announced as a placeholder, harmless" in done.stdout
+    assert done.stdout.splitlines()[-1] == "clean"

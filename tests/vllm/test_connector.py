@@ -275,3 +275,37 @@ def test_an_empty_step_yields_to_the_tiers_only_while_they_work(
     meta = driver.prefill(req)  # schedules the prompt: no nap however busy the tiers are
     assert naps == []
     driver.complete(list(meta.store_jobs))
+
+
+@pytest.mark.parametrize(
+    ("kind", "published"),
+    [("KvhexOffloadingConnector", "SHARED"), ("OffloadingConnector", None)],
+)
+def test_a_shared_tier_is_announced_shared_where_the_events_can_say_so(
+    tmp_path: Path, connectors: list[Any], kind: str, published: str | None
+) -> None:
+    """kvhex's connector publishes ``locality = SHARED``; vLLM's own events have no such
+    locality, so with vLLM's connector the tier's events carry none (and a warning says so).
+    The entry's ``kvhex`` object turns the peer view on."""
+    tier = {
+        "type": "fs",
+        "root_dir": str(tmp_path / "kv"),
+        "enable_kv_events": True,
+        "locality": "shared",
+        "kvhex": {"announce_peers": True, "peer_scan_interval_s": 0.5},
+    }
+    connector = scheduler_connector(
+        tmp_path / "model", _extra(tmp_path / "kv", secondary_tiers=[tier]), kind
+    )
+    connectors.append(connector)
+    (store,) = connector.connector_scheduler.manager.tier_stores
+    assert store.announce_peers
+    driver = Driver(connector)
+    req = request("r1", PROMPT)
+    connector.on_new_request(req)
+    driver.matched(req)
+    meta = driver.prefill(req)
+    driver.complete(list(meta.store_jobs))
+    driver.finish(req)
+    driver.until(lambda: bool(_stored(driver.events, "STORAGE")))
+    assert {e.locality for e in _stored(driver.events, "STORAGE")} == {published}

@@ -279,7 +279,7 @@ def _tier_value(key: str, value: Any) -> Any:
         try:
             return Locality(value.upper())
         except ValueError:
-            raise ValueError(f"must be 'LOCAL' or 'REMOTE', got {value!r}") from None
+            raise ValueError(f"must be 'LOCAL', 'REMOTE' or 'SHARED', got {value!r}") from None
     return value
 
 

@@ -92,6 +92,15 @@ def main(args: argparse.Namespace) -> int:
             print(f"  orphan  {o.key} (slab {o.slab}, slot {o.slot}; no record, harmless)")
         if len(shown) < len(ns.orphans):
             print(f"  ... {len(ns.orphans) - len(shown)} more orphans (--verbose lists them)")
+        records = ns.bad_records if args.verbose else ns.bad_records[:SHOWN]
+        for r in records:
+            print(
+                f"  bad record {r.key} (slab {r.slab}, slot {r.slot}; announced as a "
+                "placeholder, harmless)"
+            )
+        if len(records) < len(ns.bad_records):
+            more = len(ns.bad_records) - len(records)
+            print(f"  ... {more} more bad records (--verbose lists them)")
         for name in ns.unfinished_slabs:
             print(f"  unfinished slab {name} (a crash while creating it; removed at next start)")
         for name in ns.foreign:

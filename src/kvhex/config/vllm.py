@@ -99,12 +99,17 @@ class VllmTierOptions:
         backpressure: kvhex's cascade admission for this tier (default: admit all).
         announce_ownership: name the tier as the ``ownership`` of its events (off by
             default: Dynamo's indexer drops events that name one).
+        announce_peers: also announce the blocks other instances sharing the tier's storage
+            hold there (``fs``, ``obj``: the file and object tiers' option).
+        peer_scan_interval_s: how often the other instances' blocks are looked for.
     """
 
     name: TierName | None = None
     capacity_bytes: PositiveInt | None = None
     backpressure: BackpressureConfig | None = None
     announce_ownership: bool = False
+    announce_peers: bool | None = None
+    peer_scan_interval_s: float | None = None
 
 
 @attrs.frozen(kw_only=True)
@@ -115,7 +120,7 @@ class _TierEntry:
         module_path: vLLM's: the module of the tier class (kvhex's are registered).
         enable_kv_events: announce this tier's stores and removals (only while vLLM's KV
             events are on).
-        locality: ``LOCAL`` or ``REMOTE`` (any case), announced in events.
+        locality: ``LOCAL``, ``REMOTE`` or ``SHARED`` (any case), announced in events.
         backpressure: vLLM's detector settings; refused (kvhex has its own, in ``kvhex``).
         kvhex: kvhex-only settings of the tier.
     """

@@ -172,6 +172,11 @@ class BlockTierStore:
         return self._identity
 
     @property
+    def announce_peers(self) -> bool:
+        """Whether the tier also announces the blocks other instances hold on its storage."""
+        return self._peers is not None
+
+    @property
     def peer_identity(self) -> TierIdentity:
         """The identity of other instances' blocks in this tier's events (its medium and
         locality, ownership ``<name>@peers``); announced only with ``announce_peers``."""

@@ -44,6 +44,7 @@ __all__ = [
     "provenance_of",
     "tier_filter_of",
     "vllm_events",
+    "vllm_locality",
 ]
 
 log = structlog.get_logger(__name__)
@@ -58,6 +59,7 @@ LOOKUP = {
 
 _MEDIA = {"CPU": vbase.Medium.CPU, "STORAGE": vbase.Medium.STORAGE}
 _unmapped_media: set[str] = set()
+_unmapped_localities: set[TierIdentity] = set()
 
 
 def policy_of(policy: OffloadPolicy) -> vbase.RequestOffloadingContext:
@@ -138,6 +140,19 @@ def provenance_of(request: Any, geometry: KvGeometry) -> Provenance:
     )
 
 
+def vllm_locality(tier: TierIdentity) -> vbase.Locality | None:
+    """The locality vLLM's events can say for ``tier``: vLLM's member of the same name, or
+    none where vLLM has no such member (``SHARED``: warned once per tier)."""
+    locality = tier.locality
+    if locality is None:
+        return None
+    member = vbase.Locality.__members__.get(locality.value)
+    if member is None and tier not in _unmapped_localities:
+        _unmapped_localities.add(tier)
+        log.warning("locality_announced_as_none", locality=locality.value, tier=tier.ownership)
+    return member
+
+
 def _vmedium(tier: TierIdentity) -> vbase.Medium:
     medium = _MEDIA.get(tier.medium.name)
     if medium is None:
@@ -167,7 +182,7 @@ def offloading_events(raw: Iterable[kev.TierEvent]) -> list[vbase.OffloadingEven
                 keys=list(event.keys),
                 medium=_vmedium(tier),
                 removed=isinstance(event, kev.Removed),
-                locality=vbase.Locality(tier.locality.value) if tier.locality else None,
+                locality=vllm_locality(tier),
                 ownership=tier.ownership,
                 removal_expected=tier != PRIMARY_IDENTITY,
             )

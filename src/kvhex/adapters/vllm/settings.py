@@ -151,6 +151,11 @@ def _tier(entry: VllmTierEntry, path: str, index: int) -> TierSettings:
     if entry.kvhex.capacity_bytes is not None:
         options["capacity_bytes"] = entry.kvhex.capacity_bytes
         keys["capacity_bytes"] = f"{kvhex}.capacity_bytes"
+    for key in ("announce_peers", "peer_scan_interval_s"):
+        value = getattr(entry.kvhex, key)
+        if value is not None:
+            options[key] = value
+            keys[key] = f"{kvhex}.{key}"
     return TierSettings(
         paths=EntryPaths(
             path, f"{path}.tier" if entry.type == KVHEX_TIER_TYPE else f"{path}.type", path, keys

@@ -31,7 +31,13 @@ from vllm.v1.kv_offload import base as vbase
 from vllm.v1.kv_offload.tiering import base as vtier
 
 from kvhex.adapters.vllm.compose import RegionHostBuffer, build_tier_store
-from kvhex.adapters.vllm.convert import LOOKUP, context_of, offloading_events, policy_of
+from kvhex.adapters.vllm.convert import (
+    LOOKUP,
+    context_of,
+    offloading_events,
+    policy_of,
+    vllm_locality,
+)
 from kvhex.adapters.vllm.settings import KVHEX_TIER_TYPE, SOURCE, parse_tier
 from kvhex.domain.jobs import JobId, JobKind, JobResult, TierJob
 from kvhex.domain.keys import OffloadKey
@@ -95,7 +101,7 @@ class KvhexSecondaryTier(vtier.SecondaryTierManager):
         self._host = host
         self.name = settings.name
         identity = self._store.identity
-        self.locality = vbase.Locality(identity.locality.value) if identity.locality else None
+        self.locality = vllm_locality(identity)
         if identity.medium.name in ("CPU", "STORAGE"):
             self.medium = vbase.Medium(identity.medium.name)  # type: ignore[misc]
         self._events = enable_kv_events and offloading_spec.kv_events_config.enable_kv_cache_events
