@@ -5,8 +5,9 @@ event-state memory.
    trace, both sides in the same run:
 
    * kvhex: each request's ``Provenance`` (as the vLLM adapter attaches it at
-     ``on_new_request``: it exists for events) and ``ReqContext.record_position`` of each
-     chunk at prepare time; at the step's end ``Announcer.order`` of the tiers' raw
+     ``on_new_request``: it exists for events; each chunk's place in the request is found
+     from the request's own hashes, as the adapter finds it); at the step's end
+     ``Announcer.order`` of the tiers' raw
      ``Stored`` events (one per request), ``EventTranslator.translate`` (one chained
      ``BlockStored`` per run of chunks) and ``wire.encode_batch`` of the step's batch;
    * vLLM 0.33: ``OffloadingEventsTracker.record_store`` of each chunk at prepare time (real

@@ -127,3 +127,15 @@ def test_placeholders_wait_for_nothing() -> None:
     _, keys = request(2)
     out = Announcer().order([Stored((keys[1],), FILES, None)])
     assert stores(out) == [(FILES, (keys[1],))]
+
+
+def test_a_tier_found_announced_alike_later_shares_the_residency_exactly() -> None:
+    """MORE is announced as FILES; FILES itself (not in the mapping) shows up after MORE
+    announced alone: from then on the two are counted, MORE's earlier keys included."""
+    ctx, keys = request(2)
+    ann = Announcer({MORE: FILES})
+    assert stores(ann.order([Stored(tuple(keys), MORE, ctx)])) == [(FILES, tuple(keys))]
+    assert ann.order([Stored((keys[0],), FILES, ctx)]) == []  # already announced there
+    assert ann.order([Removed((keys[0],), MORE)]) == []  # FILES still holds it
+    assert ann.order([Removed((keys[0],), FILES)]) == [Removed((keys[0],), FILES)]
+    assert ann.order([Removed((keys[1],), MORE)]) == [Removed((keys[1],), FILES)]

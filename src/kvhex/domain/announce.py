@@ -125,11 +125,6 @@ class Announcer:
         """The identity ``tier`` is announced under."""
         return self._publish_as.get(tier, tier)
 
-    @property
-    def waiting_keys(self) -> int:
-        """Stored keys not announced yet: their parent is not announced."""
-        return sum(len(held) for held in self._held.values())
-
     def waiting(self, tier: TierIdentity) -> frozenset[OffloadKey]:
         """The keys ``tier`` stored that wait for their parent to be announced."""
         return frozenset(self._held.get(tier, ()))
@@ -161,15 +156,6 @@ class Announcer:
                     self._unhold(held)
                     self._emit(self._chain_from(held), out)
         return out
-
-    def reset(self) -> None:
-        """Forget everything (the consumers were told to start over)."""
-        self._announced.clear()
-        self._holders.clear()
-        self._live.clear()
-        self._waiting.clear()
-        self._held.clear()
-        self._device.clear()
 
     # -- stores --------------------------------------------------------------------------
     def _stored(self, event: Stored, out: list[TierEvent]) -> None:
@@ -280,7 +266,12 @@ class Announcer:
         tiers = self._sharing.get(public)
         if tiers is None:
             tiers = self._sharing[public] = set()
-        tiers.add(tier)
+        if tier not in tiers:
+            tiers.add(tier)
+            if len(tiers) == 2 and public not in self._holders:
+                # shared from now on: count what the first tier announced alone so far
+                (first,) = tiers - {tier}
+                self._holders[public] = dict.fromkeys(self._announced.get(first, ()), 1)
         return len(tiers) > 1
 
     def _chain_from(self, first: _Held) -> _Run:
