@@ -278,21 +278,22 @@ def test_an_empty_step_yields_to_the_tiers_only_while_they_work(
 
 
 @pytest.mark.parametrize(
-    ("kind", "published"),
-    [("KvhexOffloadingConnector", "SHARED"), ("OffloadingConnector", None)],
+    ("kind", "medium", "published"),
+    [("KvhexOffloadingConnector", "DISK", "SHARED"), ("OffloadingConnector", "STORAGE", None)],
 )
 def test_a_shared_tier_is_announced_shared_where_the_events_can_say_so(
-    tmp_path: Path, connectors: list[Any], kind: str, published: str | None
+    tmp_path: Path, connectors: list[Any], kind: str, medium: str, published: str | None
 ) -> None:
-    """kvhex's connector publishes ``locality = SHARED``; vLLM's own events have no such
-    locality, so with vLLM's connector the tier's events carry none (and a warning says so).
-    The entry's ``kvhex`` object turns the peer view on."""
+    """kvhex's connector publishes the entry's medium and ``locality = SHARED``; vLLM's own
+    events have neither (its media are CPU, GPU and STORAGE, its localities LOCAL and
+    REMOTE), so with vLLM's connector the tier's events say STORAGE and no locality (and a
+    warning says so). The entry's ``kvhex`` object turns the peer view on."""
     tier = {
         "type": "fs",
         "root_dir": str(tmp_path / "kv"),
         "enable_kv_events": True,
         "locality": "shared",
-        "kvhex": {"announce_peers": True, "peer_scan_interval_s": 0.5},
+        "kvhex": {"announce_peers": True, "peer_scan_interval_s": 0.5, "medium": "disk"},
     }
     connector = scheduler_connector(
         tmp_path / "model", _extra(tmp_path / "kv", secondary_tiers=[tier]), kind
@@ -307,5 +308,5 @@ def test_a_shared_tier_is_announced_shared_where_the_events_can_say_so(
     meta = driver.prefill(req)
     driver.complete(list(meta.store_jobs))
     driver.finish(req)
-    driver.until(lambda: bool(_stored(driver.events, "STORAGE")))
-    assert {e.locality for e in _stored(driver.events, "STORAGE")} == {published}
+    driver.until(lambda: bool(_stored(driver.events, medium)))
+    assert {e.locality for e in _stored(driver.events, medium)} == {published}

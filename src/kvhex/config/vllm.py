@@ -102,6 +102,8 @@ class VllmTierOptions:
         announce_peers: also announce the blocks other instances sharing the tier's storage
             hold there (``fs``, ``obj``: the file and object tiers' option).
         peer_scan_interval_s: how often the other instances' blocks are looked for.
+        medium: the medium the tier's events announce (default ``STORAGE``; ``DISK``,
+            ``SHARED_STORAGE``, ...: what the routers reading them expect).
     """
 
     name: TierName | None = None
@@ -110,6 +112,7 @@ class VllmTierOptions:
     announce_ownership: bool = False
     announce_peers: bool | None = None
     peer_scan_interval_s: float | None = None
+    medium: str | None = None
 
 
 @attrs.frozen(kw_only=True)
