@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from tests.dynamo import Chains, Credit, DynamoIndexer, expected_credit, free_port
+from tests.dynamo import Chains, Credit, DynamoIndexer, expected_credit
 from tests.vllm.engine import (
     BLOCK,
     CHUNK_BYTES,
@@ -83,9 +83,9 @@ def test_the_indexer_credits_each_prefix_kvhex_served_at_the_tier_holding_it(
 
     indexer = dynamo_indexer
     # vLLM's publisher binds ipc and wildcard endpoints (and connects to any other): ipc keeps
-    # it off the network; its replay socket always binds
+    # it off the network, and no port picked free can be taken before the engine binds it
     endpoint = f"ipc://{tmp_path / 'kv-events'}"
-    replay = f"tcp://127.0.0.1:{free_port()}"
+    replay = f"ipc://{tmp_path / 'kv-replay'}"
     events = KVEventsConfig(
         enable_kv_cache_events=True, publisher="zmq", endpoint=endpoint, replay_endpoint=replay
     )
