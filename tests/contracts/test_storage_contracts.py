@@ -83,31 +83,6 @@ class _Slow:
     crash_slot_bytes = 1 << 14
 
 
-class TestFileTier(_Local, TierStoreContract, CrashContract):
-    shared_storage = True
-    crash_cycles = 10
-    native_io: bool | None = None
-    """The native data path wherever it was built (the file tier's default)."""
-
-    def make_store(self, host: HostBuffer) -> TierStore:
-        return self._store(host, 1 << 24)
-
-    def make_sized_store(self, host: HostBuffer, capacity_blocks: int) -> TierStore:
-        return self._store(host, blocks_bytes(host, capacity_blocks))
-
-    def _store(self, host: HostBuffer, capacity: int) -> TierStore:
-        return FsspecTierStore(
-            host, str(self.root), capacity_bytes=capacity, namespace=NS, native_io=self.native_io
-        )
-
-
-class TestFileTierPythonIo(TestFileTier):
-    """The file tier moving its blocks in Python: the whole contract and crash kit on each
-    data path."""
-
-    native_io = False
-
-
 class PeerViewTier(FsspecTierStore):
     """The fsspec tier with its peer view scanning at every poll: the contract judges the
     events of its own blocks; those of other instances' blocks must replay on their own (each
@@ -125,24 +100,50 @@ class PeerViewTier(FsspecTierStore):
         return [e for e in events if e.tier != self.peer_identity]
 
 
+class TestFileTier(_Local, TierStoreContract, CrashContract):
+    shared_storage = True
+    crash_cycles = 10
+    native_io: bool | None = None
+    """The native data path wherever it was built (the file tier's default)."""
+    tier_class: type[FsspecTierStore] = FsspecTierStore
+
+    def make_store(self, host: HostBuffer) -> TierStore:
+        return self._store(host, 1 << 24)
+
+    def make_sized_store(self, host: HostBuffer, capacity_blocks: int) -> TierStore:
+        return self._store(host, blocks_bytes(host, capacity_blocks))
+
+    def _store(self, host: HostBuffer, capacity: int) -> TierStore:
+        return self.tier_class(
+            host, str(self.root), capacity_bytes=capacity, namespace=NS, native_io=self.native_io
+        )
+
+
+class TestFileTierPythonIo(TestFileTier):
+    """The file tier moving its blocks in Python: the whole contract and crash kit on each
+    data path."""
+
+    native_io = False
+
+
 class TestFileTierWithPeerView(TestFileTier):
     """The file tier with ``announce_peers``: its own events, jobs and crash recovery as
     without it, while it scans the other instances' slabs (the contract's shared checks run
     two instances on one root)."""
 
-    def _store(self, host: HostBuffer, capacity: int) -> TierStore:
-        return PeerViewTier(host, str(self.root), capacity_bytes=capacity, namespace=NS)
+    tier_class = PeerViewTier
 
 
 class TestS3Tier(_Slow, _Bucket, TierStoreContract, CrashContract):
     shared_storage = True
+    tier_class: type[FsspecTierStore] = FsspecTierStore
 
     def make_store(self, host: HostBuffer) -> TierStore:
         return self.make_sized_store(host, 256)
 
     def make_sized_store(self, host: HostBuffer, capacity_blocks: int) -> TierStore:
         return started(
-            FsspecTierStore(
+            self.tier_class(
                 host,
                 f"s3://{self.bucket}/kv",
                 capacity_bytes=blocks_bytes(host, capacity_blocks),
@@ -156,17 +157,7 @@ class TestS3Tier(_Slow, _Bucket, TierStoreContract, CrashContract):
 class TestS3TierWithPeerView(TestS3Tier):
     """The S3 tier with ``announce_peers`` (a listing at every poll), as the file tier's."""
 
-    def make_sized_store(self, host: HostBuffer, capacity_blocks: int) -> TierStore:
-        return started(
-            PeerViewTier(
-                host,
-                f"s3://{self.bucket}/kv",
-                capacity_bytes=blocks_bytes(host, capacity_blocks),
-                name="s3",
-                namespace=NS,
-                storage_options=s3_options(self.endpoint),
-            )
-        )
+    tier_class = PeerViewTier
 
 
 class TestNixlPosixTier(_Local, TierStoreContract, CrashContract):
