@@ -99,7 +99,7 @@ class KvhexRun:
         if args.vllm_worker:  # the same copies through vLLM's worker API
             from vllm.v1.kv_offload import base as vbase
 
-            from kvhex.adapters.vllm.worker import KvhexCpuOffloadingWorker
+            from kvhex.vllm.worker import KvhexCpuOffloadingWorker
 
             canonical = vbase.CanonicalKVCaches(
                 [vbase.CanonicalKVCacheTensor(c, page) for c in self.caches],

@@ -44,7 +44,7 @@ from typing import Any
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 from _report import Report, parse
-from kvhex.adapters.vllm.compat import manager_lock
+from kvhex.vllm.compat import manager_lock
 
 BLOCK = 32
 QUICK = {"prefix": 256, "layers": 2, "hidden": 128, "repeats": 1}

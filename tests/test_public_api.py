@@ -55,9 +55,9 @@ PUBLIC = [
     "kvhex.adapters.torch.host",
     "kvhex.adapters.torch.staging",
     "kvhex.adapters.torch.transfer",
-    "kvhex.adapters.vllm.settings",
-    "kvhex.adapters.vllm.compose",
-    "kvhex.adapters.vllm.plugin",
+    "kvhex.vllm.settings",
+    "kvhex.vllm.compose",
+    "kvhex.vllm.plugin",
 ]
 
 

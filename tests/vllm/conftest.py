@@ -19,6 +19,9 @@ from pathlib import Path
 
 import pytest
 
+# the S3 server with users and credentials (test_settings' obj tier) is the storage tests' own
+from tests.adapters.conftest import s3_auth_server  # noqa: F401
+
 # a private vLLM cache: another vLLM version sharing ~/.cache/vllm breaks model inspection
 if "VLLM_CACHE_ROOT" not in os.environ:
     os.environ["VLLM_CACHE_ROOT"] = tempfile.mkdtemp(prefix="kvhex-vllm-cache-")

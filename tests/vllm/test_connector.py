@@ -23,12 +23,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import (
 
 from kvhex.adapters.events import wire
 from kvhex.adapters.memory import MemoryEventSink
-from kvhex.adapters.vllm import (
+from kvhex.errors import ConfigError
+from kvhex.vllm import (
     KvhexOffloadingConnector,
     KvhexOffloadingManager,
     register,
 )
-from kvhex.errors import ConfigError
 from tests.vllm.scheduler import PAGE, Driver, request, scheduler_connector
 
 PROMPT = list(range(100, 164))  # four blocks of 16 tokens
@@ -252,7 +252,7 @@ def test_an_empty_step_yields_to_the_tiers_only_while_they_work(
     """vLLM steps again at once after a step that scheduled nothing; while kvhex's tiers have
     jobs in flight that loop would starve their IO threads of the GIL, so such a step sleeps
     (and only such a step)."""
-    from kvhex.adapters.vllm import connector as module
+    from kvhex.vllm import connector as module
 
     naps: list[float] = []
     monkeypatch.setattr(module, "_nap", naps.append)

@@ -277,7 +277,7 @@ def test_a_hybrid_model_offloads_both_kv_groups_on_their_shared_tensors(
     groups that overlay the same KV tensors; kvhex's worker stores and loads both."""
     from vllm.distributed.kv_transfer import get_kv_transfer_group
 
-    from kvhex.adapters.vllm.worker import KvhexCpuOffloadingWorker
+    from kvhex.vllm.worker import KvhexCpuOffloadingWorker
     from tests.vllm.engine import hybrid_model
 
     model = hybrid_model(tmp_path / "gemma2")

@@ -19,8 +19,8 @@ pytest.importorskip("vllm", reason="needs vLLM 0.33 (make test runs this in .ven
 from vllm.v1.kv_offload.base import OffloadingEvent, ReqContext
 from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager
 
-from kvhex.adapters.vllm import KvhexOffloadingManager, KvhexOffloadingSpec
-from kvhex.adapters.vllm.compat import VLLM_VERSION
+from kvhex.vllm import KvhexOffloadingManager, KvhexOffloadingSpec
+from kvhex.vllm.compat import VLLM_VERSION
 from tests.vllm.helpers import PAGE, key, offloading_config
 
 

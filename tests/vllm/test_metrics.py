@@ -24,7 +24,7 @@ from vllm.v1.kv_offload.cpu.common import CPUOffloadingMetrics
 from vllm.v1.kv_offload.tiering.base import TieringOffloadingMetrics
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from kvhex.adapters.vllm import KvhexOffloadingManager, KvhexOffloadingSpec, register
+from kvhex.vllm import KvhexOffloadingManager, KvhexOffloadingSpec, register
 from tests.vllm.scheduler import PAGE, Driver, request, scheduler_connector, vllm_config
 
 PROMPT = list(range(300, 364))  # four blocks of 16 tokens

@@ -38,9 +38,9 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
 from kvhex.adapters.memory import MemoryHostBuffer
 from kvhex.adapters.storage.format import LAYOUT_VERSION, namespace_digest
 from kvhex.adapters.storage.fsspec import FsspecTierStore
-from kvhex.adapters.vllm import register, spec
-from kvhex.adapters.vllm.spec import RANDOM_HASH_ROOT, KvhexOffloadingSpec, namespace_of
 from kvhex.domain import JobKind
+from kvhex.vllm import register, spec
+from kvhex.vllm.spec import RANDOM_HASH_ROOT, KvhexOffloadingSpec, namespace_of
 from tests.adapters.jobs import run
 from tests.vllm.scheduler import (
     BLOCK,

@@ -8,6 +8,7 @@ vLLM's shared offload region.
 from __future__ import annotations
 
 import os
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -23,9 +24,9 @@ from vllm.v1.kv_offload.tiering.factory import SecondaryTierFactory
 from vllm.v1.kv_offload.tiering.manager import TieringOffloadingManager
 from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
 
-from kvhex.adapters.vllm import KvhexSecondaryTier, register
-from kvhex.adapters.vllm.compat import SIGNALS_RESET_FLUSHED
 from kvhex.errors import ConfigError
+from kvhex.vllm import KvhexSecondaryTier, register
+from kvhex.vllm.compat import SIGNALS_RESET_FLUSHED
 from tests.vllm.helpers import PAGE, key, offloading_config
 
 STEP = ScheduleEndContext((), ())
@@ -34,7 +35,7 @@ STEP = ScheduleEndContext((), ())
 def _tier_entry(root: Path, **more: Any) -> dict[str, Any]:
     return {
         "type": "KvhexSecondaryTier",
-        "module_path": "kvhex.adapters.vllm",
+        "module_path": "kvhex.vllm",
         "tier": "fsspec",
         "url": str(root),
         "capacity_bytes": 64 * 2 * PAGE,
@@ -73,6 +74,25 @@ def test_vllm_factory_builds_the_tier_from_its_registered_type(tmp_path: Path) -
         assert tier.medium is Medium.STORAGE
         assert tier.locality is not None
         assert tier.locality.value == "LOCAL"
+    finally:
+        tier.shutdown()
+
+
+def test_the_old_module_path_still_builds_the_tier(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A ``secondary_tiers`` entry written for kvhex before the move names
+    ``kvhex.adapters.vllm``; for a release it builds the same class (and warns)."""
+    spec = TieringOffloadingSpec(offloading_config({"cpu_bytes_to_use": 2 * PAGE}))
+    view = memoryview(np.zeros((2, PAGE), dtype=np.int8))
+    entry = _tier_entry(tmp_path, module_path="kvhex.adapters.vllm")
+    # vLLM prefers a registered type (kvhex's general plugin registers it) to the module path
+    monkeypatch.delitem(SecondaryTierFactory._registry, "KvhexSecondaryTier", raising=False)
+    sys.modules.pop("kvhex.adapters.vllm", None)
+    with pytest.warns(DeprecationWarning, match="kvhex.adapters.vllm is now kvhex.vllm"):
+        tier = SecondaryTierFactory.create_secondary_tier(entry, view, spec)
+    try:
+        assert type(tier) is KvhexSecondaryTier
     finally:
         tier.shutdown()
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import inspect
 import subprocess
 import sys
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -17,12 +18,12 @@ from vllm.v1.kv_offload.base import OffloadingManager, OffloadingSpec
 from vllm.v1.kv_offload.factory import OffloadingSpecFactory
 from vllm.v1.kv_offload.tiering.base import SecondaryTierManager
 
-from kvhex.adapters.vllm import (
+from kvhex.errors import ConfigError
+from kvhex.vllm import (
     KvhexOffloadingManager,
     KvhexOffloadingSpec,
     KvhexSecondaryTier,
 )
-from kvhex.errors import ConfigError
 from tests.vllm.helpers import PAGE, offloading_config
 
 
@@ -70,17 +71,27 @@ def test_vllm_loads_the_general_plugin_which_registers_every_name() -> None:
     ]
 
 
+@pytest.mark.parametrize("module", ["kvhex.vllm", "kvhex.adapters.vllm"])
 def test_the_spec_factory_builds_it_from_a_module_path_alone(
-    tmp_path: Path, managers: list[Any]
+    module: str, tmp_path: Path, managers: list[Any], monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """``kvhex.adapters.vllm``, the package's name before it moved beside the CLI, still builds
+    the same spec for a release (configurations name it), warning that it is going."""
     extra = {
         "spec_name": "KvhexOffloadingSpec",
-        "spec_module_path": "kvhex.adapters.vllm",
+        "spec_module_path": module,
         "cpu_bytes_to_use": 8 * PAGE,
         "eviction_policy": "arc",
         "secondary_tiers": [{"type": "fs", "root_dir": str(tmp_path / "kv")}],
     }
-    spec = OffloadingSpecFactory.create_spec(offloading_config(extra))
+    # vLLM prefers a registered name (kvhex's general plugin registers it) to the module path
+    monkeypatch.delitem(OffloadingSpecFactory._registry, "KvhexOffloadingSpec", raising=False)
+    sys.modules.pop("kvhex.adapters.vllm", None)  # the alias warns on its first import
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        spec = OffloadingSpecFactory.create_spec(offloading_config(extra))
+    moved = [w for w in caught if "kvhex.adapters.vllm is now kvhex.vllm" in str(w.message)]
+    assert [w.category for w in moved] == ([DeprecationWarning] if "adapters" in module else [])
     assert isinstance(spec, KvhexOffloadingSpec)
     manager = spec.get_manager()
     managers.append(manager)
@@ -149,7 +160,7 @@ def test_promotions_wait_after_a_reset_until_vllm_reports_the_flush(
     waits for the second schedule end."""
     from vllm.v1.kv_offload.base import LookupResult, ScheduleEndContext
 
-    from kvhex.adapters.vllm.compat import RESET_FLUSH_STEPS, SIGNALS_RESET_FLUSHED
+    from kvhex.vllm.compat import RESET_FLUSH_STEPS, SIGNALS_RESET_FLUSHED
     from tests.vllm.helpers import key
 
     manager, ctx = _reset_with_a_copy_in_flight(tmp_path, managers, busy="store")
@@ -194,7 +205,7 @@ def test_a_second_reset_keeps_the_hold_an_earlier_one_still_owes(
     flight, but the first one's flush is still owed."""
     from vllm.v1.kv_offload.base import ScheduleEndContext
 
-    from kvhex.adapters.vllm.compat import RESET_FLUSH_STEPS, SIGNALS_RESET_FLUSHED
+    from kvhex.vllm.compat import RESET_FLUSH_STEPS, SIGNALS_RESET_FLUSHED
 
     manager, _ = _reset_with_a_copy_in_flight(tmp_path, managers, busy="store")
     manager.on_schedule_end(ScheduleEndContext((), ()))
@@ -210,7 +221,7 @@ def test_a_second_reset_keeps_the_hold_an_earlier_one_still_owes(
 
 
 def test_an_unsupported_vllm_version_is_refused_naming_the_supported_ones() -> None:
-    from kvhex.adapters.vllm.compat import VLLM_VERSION, installed_version
+    from kvhex.vllm.compat import VLLM_VERSION, installed_version
 
     assert VLLM_VERSION in {(0, 32), (0, 33)}
     assert installed_version("0.32.0+cpu") == (0, 32)

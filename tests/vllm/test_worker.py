@@ -27,8 +27,8 @@ from vllm.v1.kv_offload.base import (
 )
 from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
 
-from kvhex.adapters.vllm.worker import KvhexCpuOffloadingWorker, tensor_groups_of
 from kvhex.errors import TransferError
+from kvhex.vllm.worker import KvhexCpuOffloadingWorker, tensor_groups_of
 
 SENTINEL = -7
 

@@ -27,15 +27,7 @@ from kvhex.bootstrap.entries import (
     plan_sink,
     plan_tier,
 )
-from kvhex.config.loader import load_vllm_config, load_vllm_tier
-from kvhex.config.model import (
-    BackpressureConfig,
-    KvhexConfig,
-    LoadingConfig,
-    PrimaryConfig,
-    TierConfig,
-)
-from kvhex.config.vllm import KVHEX_TIER_TYPE, SOURCE, FsTierEntry, ObjTierEntry, VllmTierEntry
+from kvhex.config.model import KvhexConfig, LoadingConfig, PrimaryConfig, TierConfig
 from kvhex.domain.backpressure import AdmissionPolicy, AlwaysAdmit
 from kvhex.domain.cost import LoadMode, PrefillRate
 from kvhex.domain.geometry import KvGeometry
@@ -53,15 +45,8 @@ from kvhex.service.loading import LoadDecider
 from kvhex.service.tiering import TieringManager
 
 __all__ = [
-    "KVHEX_TIER_TYPE",
-    "SOURCE",
-    "BackpressureConfig",
     "EntryPaths",
-    "FsTierEntry",
-    "LoadingConfig",
-    "ObjTierEntry",
     "TierSpec",
-    "VllmTierEntry",
     "assemble_engine",
     "build_engine",
     "build_policy",
@@ -69,13 +54,8 @@ __all__ = [
     "build_sink",
     "build_tier",
     "load_decider",
-    "load_vllm_config",
-    "load_vllm_tier",
     "tier_options",
 ]
-# The vLLM adapter is a composition root too (vLLM builds its spec and tier by class name), and
-# the import rules let it import this package, not kvhex.config: it reads vLLM's extra config
-# through the names above that come from kvhex.config.
 
 log = structlog.get_logger(__name__)
 

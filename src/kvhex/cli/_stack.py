@@ -38,7 +38,7 @@ per layer in layer order, each the chunk's ``blocks_per_chunk`` pages back to ba
 def run_namespace(run: RunConfig) -> dict[str, Any]:
     """What makes ``kvhex run``'s stored blocks interchangeable (kvhex tiers share blocks only
     between equal namespaces), under the vLLM adapter's names where the concept is shared
-    (``kvhex.adapters.vllm.spec.namespace_of``). A block's key is its tokens hashed
+    (``kvhex.vllm.spec.namespace_of``). A block's key is its tokens hashed
     ``tokens_per_block`` at a time; its bytes come from ``seed`` (each layer's base page), its
     layer, its place in the chunk and the page size (``sim.driver``). The request count,
     device blocks and device change neither."""

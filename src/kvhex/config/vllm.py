@@ -7,7 +7,7 @@ themselves (declared, checked where vLLM would misread a value, and left to vLLM
 ``kvhex`` object with kvhex-only settings. A ``secondary_tiers`` entry is a tagged union on
 ``type``: vLLM's ``fs`` and ``obj``, which kvhex builds as its ``fsspec`` and ``nixl`` tiers,
 and ``KvhexSecondaryTier``, any ``kvhex.tiers`` entry point whose other keys are its options.
-What each entry means in kvhex's terms is ``kvhex.adapters.vllm.settings``.
+What each entry means in kvhex's terms is ``kvhex.vllm.settings``.
 """
 
 # No ``from __future__ import annotations`` here: cattrs reads these annotations at runtime.

@@ -1,30 +1,15 @@
-"""kvhex inside vLLM 0.33: an offloading spec, a secondary tier and a connector.
-
-* :class:`KvhexOffloadingSpec` (``spec_name``): vLLM's ``OffloadingSpec`` whose manager is
-  kvhex's engine (host tier in vLLM's shared region + kvhex tiers); drop-in for vLLM's CPU and
-  tiering specs' configuration keys.
-* :class:`KvhexSecondaryTier` (a ``secondary_tiers`` entry ``type``): any kvhex tier inside
-  vLLM's own ``TieringOffloadingSpec``.
-* :class:`KvhexOffloadingConnector` (``kv_connector``): vLLM's ``OffloadingConnector`` whose
-  KV events carry kvhex's full provenance.
-* :func:`register`: the ``vllm.general_plugins`` entry point naming all three to vLLM.
-
-vLLM resolves these names with ``getattr`` on this module; each is imported on first access,
-so importing this package (or :mod:`kvhex.adapters.vllm.settings`) needs no vLLM.
-See docs/vllm.md.
+"""kvhex.vllm's old name, kept for one release: vLLM configurations written for earlier kvhex
+name ``kvhex.adapters.vllm`` in ``module_path`` or ``spec_module_path``, and vLLM resolves the
+class with ``getattr`` on that module. Each name forwards to :mod:`kvhex.vllm`, which is
+imported on first access (so importing this module needs no vLLM). Write ``kvhex.vllm``: this
+alias warns (``DeprecationWarning``) and goes in the next release.
 """
 
 from __future__ import annotations
 
 import importlib
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from kvhex.adapters.vllm.connector import KvhexOffloadingConnector
-    from kvhex.adapters.vllm.manager import KvhexOffloadingManager
-    from kvhex.adapters.vllm.plugin import register
-    from kvhex.adapters.vllm.spec import KvhexOffloadingSpec
-    from kvhex.adapters.vllm.tier import KvhexSecondaryTier
+import warnings
+from typing import Any
 
 __all__ = [
     "KvhexOffloadingConnector",
@@ -34,20 +19,18 @@ __all__ = [
     "register",
 ]
 
-_HOME = {
-    "KvhexOffloadingConnector": "connector",
-    "KvhexOffloadingManager": "manager",
-    "KvhexOffloadingSpec": "spec",
-    "KvhexSecondaryTier": "tier",
-    "register": "plugin",
-}
+warnings.warn(
+    "kvhex.adapters.vllm is now kvhex.vllm; name kvhex.vllm in vLLM's module_path and "
+    "spec_module_path (the old name goes in the next release)",
+    DeprecationWarning,
+    stacklevel=2,
+)
 
 
 def __getattr__(name: str) -> Any:
-    home = _HOME.get(name)
-    if home is None:
+    if name not in __all__:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"{__name__}.{home}"), name)
+    value = getattr(importlib.import_module("kvhex.vllm"), name)
     globals()[name] = value
     return value
 

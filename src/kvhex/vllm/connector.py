@@ -24,7 +24,7 @@ spec's manager is kvhex's:
 
 With any other spec it behaves exactly like ``OffloadingConnector``. Select it with
 ``kv_connector="KvhexOffloadingConnector"`` (registered by the ``vllm.general_plugins`` entry
-point; ``kv_connector_module_path="kvhex.adapters.vllm"`` works without it).
+point; ``kv_connector_module_path="kvhex.vllm"`` works without it).
 """
 
 from __future__ import annotations
@@ -38,9 +38,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import (
     OffloadingConnector,
 )
 
-from kvhex.adapters.vllm.compat import manager_lock, quiet_events_tracker
-from kvhex.adapters.vllm.manager import KvhexOffloadingManager
 from kvhex.domain.geometry import CacheKind, KvGeometry, KvGroup
+from kvhex.vllm.compat import manager_lock, quiet_events_tracker
+from kvhex.vllm.manager import KvhexOffloadingManager
 
 __all__ = ["IDLE_STEP_WAIT_S", "KvhexOffloadingConnector", "geometry_of_groups"]
 

@@ -8,18 +8,18 @@ from typing import Any
 import pytest
 
 from kvhex.adapters.memory import MemoryHostBuffer
-from kvhex.adapters.vllm.compose import (
-    DEFAULT_OBJECT_CAPACITY,
-    RegionHostBuffer,
-    build_engine,
-    build_tier_store,
-)
-from kvhex.adapters.vllm.settings import parse_settings, parse_tier
 from kvhex.bootstrap import build_tier
 from kvhex.config import BackpressureConfig
 from kvhex.domain.tiers import Locality
 from kvhex.errors import ConfigError
 from kvhex.plugins import Registry
+from kvhex.vllm.compose import (
+    DEFAULT_OBJECT_CAPACITY,
+    RegionHostBuffer,
+    build_engine,
+    build_tier_store,
+)
+from kvhex.vllm.settings import parse_settings, parse_tier
 
 pytest.importorskip("fsspec")
 

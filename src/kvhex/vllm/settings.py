@@ -16,18 +16,10 @@ from typing import Any
 
 import attrs
 
-from kvhex.bootstrap import (
-    KVHEX_TIER_TYPE,
-    SOURCE,
-    BackpressureConfig,
-    EntryPaths,
-    FsTierEntry,
-    LoadingConfig,
-    ObjTierEntry,
-    VllmTierEntry,
-    load_vllm_config,
-    load_vllm_tier,
-)
+from kvhex.bootstrap import EntryPaths
+from kvhex.config.loader import load_vllm_config, load_vllm_tier
+from kvhex.config.model import BackpressureConfig, LoadingConfig
+from kvhex.config.vllm import KVHEX_TIER_TYPE, SOURCE, FsTierEntry, ObjTierEntry, VllmTierEntry
 from kvhex.domain.tiers import Locality
 
 __all__ = [

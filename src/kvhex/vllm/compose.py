@@ -15,7 +15,6 @@ from typing import Any
 
 import structlog
 
-from kvhex.adapters.vllm.settings import SOURCE, TierSettings, VllmSettings
 from kvhex.bootstrap import TierSpec, assemble_engine, build_policy, build_tier, tier_options
 from kvhex.domain.backpressure import AdmissionPolicy, AlwaysAdmit
 from kvhex.domain.geometry import KvGeometry
@@ -26,6 +25,7 @@ from kvhex.plugins import Registry
 from kvhex.ports.host_buffer import HostBuffer
 from kvhex.ports.tier_store import TierStore
 from kvhex.service.engine import OffloadEngine
+from kvhex.vllm.settings import SOURCE, TierSettings, VllmSettings
 
 __all__ = [
     "DEFAULT_OBJECT_CAPACITY",

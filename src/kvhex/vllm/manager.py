@@ -40,16 +40,6 @@ from vllm.distributed import kv_events as vev
 from vllm.v1.kv_offload import base as vbase
 from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
 
-from kvhex.adapters.vllm.compat import RESET_FLUSH_STEPS, SIGNALS_RESET_FLUSHED
-from kvhex.adapters.vllm.convert import (
-    LOOKUP,
-    context_of,
-    offloading_events,
-    policy_of,
-    provenance_of,
-    vllm_events,
-)
-from kvhex.adapters.vllm.metrics import VllmMetrics, cache_hit_source
 from kvhex.domain.geometry import KvGeometry
 from kvhex.domain.keys import OffloadKey
 from kvhex.domain.request import ReqContext
@@ -57,6 +47,16 @@ from kvhex.domain.tiers import LookupResult, TierIdentity
 from kvhex.ports.tier_store import TierStore
 from kvhex.service.engine import OffloadEngine
 from kvhex.service.tiering import TieringStats
+from kvhex.vllm.compat import RESET_FLUSH_STEPS, SIGNALS_RESET_FLUSHED
+from kvhex.vllm.convert import (
+    LOOKUP,
+    context_of,
+    offloading_events,
+    policy_of,
+    provenance_of,
+    vllm_events,
+)
+from kvhex.vllm.metrics import VllmMetrics, cache_hit_source
 
 __all__ = ["KvhexOffloadingManager"]
 

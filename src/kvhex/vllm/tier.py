@@ -2,7 +2,7 @@
 
 In vLLM's ``TieringOffloadingSpec`` configuration::
 
-    "secondary_tiers": [{"type": "KvhexSecondaryTier", "module_path": "kvhex.adapters.vllm",
+    "secondary_tiers": [{"type": "KvhexSecondaryTier", "module_path": "kvhex.vllm",
                          "tier": "fsspec", "url": "/mnt/kv", "capacity_bytes": 500000000000,
                          "enable_kv_events": true, "locality": "LOCAL"}]
 
@@ -30,21 +30,21 @@ import structlog
 from vllm.v1.kv_offload import base as vbase
 from vllm.v1.kv_offload.tiering import base as vtier
 
-from kvhex.adapters.vllm.compose import RegionHostBuffer, build_tier_store
-from kvhex.adapters.vllm.convert import (
-    LOOKUP,
-    context_of,
-    offloading_events,
-    policy_of,
-    vllm_locality,
-)
-from kvhex.adapters.vllm.settings import KVHEX_TIER_TYPE, SOURCE, parse_tier
 from kvhex.domain.jobs import JobId, JobKind, JobResult, TierJob
 from kvhex.domain.keys import OffloadKey
 from kvhex.domain.tiers import OffloadPolicy
 from kvhex.errors import ConfigError
 from kvhex.plugins import Registry
 from kvhex.service.tier_driver import TierDriver, loaded_keys
+from kvhex.vllm.compose import RegionHostBuffer, build_tier_store
+from kvhex.vllm.convert import (
+    LOOKUP,
+    context_of,
+    offloading_events,
+    policy_of,
+    vllm_locality,
+)
+from kvhex.vllm.settings import KVHEX_TIER_TYPE, SOURCE, parse_tier
 
 __all__ = ["KvhexSecondaryTier"]
 
@@ -94,7 +94,7 @@ class KvhexSecondaryTier(vtier.SecondaryTierManager):
             raise ConfigError([(f"{path}.kvhex.backpressure", why)], SOURCE)
         num_chunks = primary_kv_view.shape[0] if primary_kv_view.shape else 0
         host = RegionHostBuffer(primary_kv_view, num_chunks, self.block_size_bytes)
-        from kvhex.adapters.vllm.spec import namespace_of
+        from kvhex.vllm.spec import namespace_of
 
         namespace = namespace_of(offloading_spec.config, self.block_size_bytes)
         self._store = build_tier_store(settings, host, Registry.discover(), namespace)

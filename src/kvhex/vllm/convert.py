@@ -1,5 +1,5 @@
 """Translations between vLLM's offloading types and kvhex's, in one place (the version
-differences they meet are :mod:`kvhex.adapters.vllm.compat`'s).
+differences they meet are :mod:`kvhex.vllm.compat`'s).
 
 * Request contexts: vLLM's ``ReqContext`` (a dataclass, not hashable, per request) carries
   kvhex's ``ReqContext`` in its per-request state (``set_state``), created on first sight.
@@ -20,7 +20,6 @@ import structlog
 from vllm.distributed import kv_events as vev
 from vllm.v1.kv_offload import base as vbase
 
-from kvhex.adapters.vllm.compat import block_stored
 from kvhex.domain import events as kev
 from kvhex.domain.geometry import KvGeometry
 from kvhex.domain.primary import PRIMARY_IDENTITY
@@ -35,6 +34,7 @@ from kvhex.domain.tiers import (
     TierIdentity,
     TierMatcher,
 )
+from kvhex.vllm.compat import block_stored
 
 __all__ = [
     "LOOKUP",

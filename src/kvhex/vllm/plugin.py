@@ -11,7 +11,7 @@ from __future__ import annotations
 
 __all__ = ["MODULE", "register"]
 
-MODULE = "kvhex.adapters.vllm"
+MODULE = "kvhex.vllm"
 
 
 def register() -> None:

@@ -2,7 +2,7 @@
 
 Select it with ``kv_connector_extra_config["spec_name"] = "KvhexOffloadingSpec"`` (the
 ``vllm.general_plugins`` entry point registers the name; ``spec_module_path:
-"kvhex.adapters.vllm"`` works without it). It takes the keys of vLLM's ``CPUOffloadingSpec``
+"kvhex.vllm"`` works without it). It takes the keys of vLLM's ``CPUOffloadingSpec``
 and ``TieringOffloadingSpec`` with their meaning (see ``settings``), so switching an
 existing configuration to kvhex changes ``spec_name`` alone.
 
@@ -14,7 +14,7 @@ Worker side (``get_worker``): on CUDA-alike and XPU platforms, vLLM's own
 ``CPUOffloadingWorker`` on that region, exactly as ``TieringOffloadingSpec`` builds it
 (docs/vllm.md says why: its pinning and DMA/Triton copy kernels, canonical layout). On vLLM's
 CPU platform, where vLLM's worker refuses to run, kvhex's ``KvhexCpuOffloadingWorker`` on the
-same region and in the same layout (``kvhex.adapters.vllm.worker``).
+same region and in the same layout (``kvhex.vllm.worker``).
 """
 
 from __future__ import annotations
@@ -48,21 +48,21 @@ from vllm.v1.kv_offload.config import OffloadingConfig
 from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
 from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
 
-from kvhex.adapters.vllm.compat import (
+from kvhex.domain.geometry import KvGeometry, KvGroup
+from kvhex.errors import ConfigError
+from kvhex.plugins import Registry
+from kvhex.ports.tier_store import tier_identities
+from kvhex.vllm.compat import (
     HASH_SCHEME,
     HOST_LAYOUT,
     connector_configs,
     group_kind,
     hash_lookahead_tokens,
 )
-from kvhex.adapters.vllm.compose import RegionHostBuffer, build_engine
-from kvhex.adapters.vllm.manager import KvhexOffloadingManager
-from kvhex.adapters.vllm.metrics import metric_definitions
-from kvhex.adapters.vllm.settings import SOURCE, VllmSettings, parse_settings
-from kvhex.domain.geometry import KvGeometry, KvGroup
-from kvhex.errors import ConfigError
-from kvhex.plugins import Registry
-from kvhex.ports.tier_store import tier_identities
+from kvhex.vllm.compose import RegionHostBuffer, build_engine
+from kvhex.vllm.manager import KvhexOffloadingManager
+from kvhex.vllm.metrics import metric_definitions
+from kvhex.vllm.settings import SOURCE, VllmSettings, parse_settings
 
 __all__ = ["RANDOM_HASH_ROOT", "KvhexOffloadingSpec", "geometry_of", "namespace_of"]
 
@@ -296,7 +296,7 @@ class KvhexOffloadingSpec(TieringOffloadingSpec):
 
         if not current_platform.is_cpu():
             return super().create_worker(kv_caches)
-        from kvhex.adapters.vllm.worker import KvhexCpuOffloadingWorker
+        from kvhex.vllm.worker import KvhexCpuOffloadingWorker
 
         if self.config.canonical_layout:
             raise ConfigError(
