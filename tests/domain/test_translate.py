@@ -39,7 +39,7 @@ def removed(events: list[object]) -> list[BlockRemoved]:
     return [e for e in events if isinstance(e, BlockRemoved)]
 
 
-def test_57_locality_rides_full_stores_placeholders_and_removals() -> None:
+def test_locality_rides_full_stores_placeholders_and_removals() -> None:
     ctx = make_request("r", tokens(8), GEO)
     k0, k1 = chunk_key(ctx, 0, G0), chunk_key(ctx, 1, G0)
     tr = EventTranslator(GEO)
@@ -50,7 +50,7 @@ def test_57_locality_rides_full_stores_placeholders_and_removals() -> None:
     assert [e.ownership for e in out] == ["s3", "s3", "s3"]  # type: ignore[union-attr]
 
 
-def test_58_full_payloads_chain_parents_across_batches() -> None:
+def test_full_payloads_chain_parents_across_batches() -> None:
     ctx = make_request("r", tokens(12), GEO)
     prov = ctx.provenance
     assert prov is not None
@@ -67,7 +67,7 @@ def test_58_full_payloads_chain_parents_across_batches() -> None:
     assert tr.detached_keys == 3
 
 
-def test_59_contiguous_multi_block_chunks_are_one_chain_and_one_removal_has_every_hash() -> None:
+def test_contiguous_multi_block_chunks_are_one_chain_and_one_removal_has_every_hash() -> None:
     group = KvGroup(0, tokens_per_block=4, blocks_per_chunk=3)
     geo = KvGeometry((group,), tokens_per_hash=4)
     ctx = make_request("r", tokens(24), geo)
@@ -85,7 +85,7 @@ def test_59_contiguous_multi_block_chunks_are_one_chain_and_one_removal_has_ever
     assert tr.detached_keys == 0
 
 
-def test_60_order_independence_and_unknown_keys_are_placeholders() -> None:
+def test_order_independence_and_unknown_keys_are_placeholders() -> None:
     group = KvGroup(0, tokens_per_block=4, blocks_per_chunk=3)
     geo = KvGeometry((group,), tokens_per_hash=4)
     ctx = make_request("r", tokens(24), geo)
@@ -99,7 +99,7 @@ def test_60_order_independence_and_unknown_keys_are_placeholders() -> None:
     assert out[1].block_hashes == [unknown[:-4]]
 
 
-def test_61_work_without_provenance_gives_placeholders_and_plain_removals() -> None:
+def test_work_without_provenance_gives_placeholders_and_plain_removals() -> None:
     ctx = make_request("r", tokens(12), GEO)
     keys = tuple(chunk_key(ctx, c, G0) for c in range(3))
     tr = EventTranslator(GEO)
@@ -109,7 +109,7 @@ def test_61_work_without_provenance_gives_placeholders_and_plain_removals() -> N
     assert gone.block_hashes == [k[:-4] for k in keys]
 
 
-def test_62_sliding_window_and_mamba_groups_stay_placeholders_with_their_kind() -> None:
+def test_sliding_window_and_mamba_groups_stay_placeholders_with_their_kind() -> None:
     swa = KvGroup(1, tokens_per_block=4, kind=CacheKind.SLIDING_WINDOW, sliding_window=128)
     mamba = KvGroup(2, tokens_per_block=4, kind=CacheKind.MAMBA)
     geo = KvGeometry((G0, swa, mamba), tokens_per_hash=4)
@@ -132,7 +132,7 @@ def test_62_sliding_window_and_mamba_groups_stay_placeholders_with_their_kind() 
     ]
 
 
-def test_64_hashes_resolve_to_the_groups_block_size() -> None:
+def test_hashes_resolve_to_the_groups_block_size() -> None:
     for blocks, expected in ((1, [63]), (2, [63, 127])):
         group = KvGroup(0, tokens_per_block=256, blocks_per_chunk=blocks)
         geo = KvGeometry((group,), tokens_per_hash=4)
@@ -147,7 +147,7 @@ def test_64_hashes_resolve_to_the_groups_block_size() -> None:
         assert len(ev.token_ids) == 256 * blocks
 
 
-def test_65_partial_tail_is_described_at_hash_block_size() -> None:
+def test_partial_tail_is_described_at_hash_block_size() -> None:
     group = KvGroup(0, tokens_per_block=16)
     geo = KvGeometry((group,), tokens_per_hash=4)
     ctx = make_request("r", tokens(30), geo)
@@ -169,7 +169,7 @@ def test_65_partial_tail_is_described_at_hash_block_size() -> None:
     assert ph.is_placeholder
 
 
-def test_66_a_key_restored_after_eviction_uses_the_new_requests_tokens() -> None:
+def test_a_key_restored_after_eviction_uses_the_new_requests_tokens() -> None:
     tr = EventTranslator(GEO)
     first = make_request("a", tokens(4), GEO)
     key = chunk_key(first, 0, G0)
@@ -181,7 +181,7 @@ def test_66_a_key_restored_after_eviction_uses_the_new_requests_tokens() -> None
     assert ev.session_id == "s2"
 
 
-def test_67_removals_of_two_groups_give_one_event_per_group() -> None:
+def test_removals_of_two_groups_give_one_event_per_group() -> None:
     g1 = KvGroup(1, tokens_per_block=4)
     geo = KvGeometry((G0, g1), tokens_per_hash=4)
     ctx = make_request("r", tokens(8), geo)
@@ -192,7 +192,7 @@ def test_67_removals_of_two_groups_give_one_event_per_group() -> None:
     assert [(e.group_idx, len(e.block_hashes)) for e in out] == [(0, 2), (1, 1)]
 
 
-def test_68_placeholders_keep_the_static_group_classification() -> None:
+def test_placeholders_keep_the_static_group_classification() -> None:
     swa = KvGroup(3, tokens_per_block=4, kind=CacheKind.SLIDING_WINDOW, sliding_window=32)
     geo = KvGeometry((swa,), tokens_per_hash=4)
     key = chunk_key(make_request("r", tokens(4), geo), 0, swa)
@@ -204,7 +204,7 @@ def test_68_placeholders_keep_the_static_group_classification() -> None:
     )
 
 
-def test_69_residencies_are_independent() -> None:
+def test_residencies_are_independent() -> None:
     ctx = make_request("r", tokens(8), GEO)
     prov = ctx.provenance
     assert prov is not None
@@ -219,7 +219,7 @@ def test_69_residencies_are_independent() -> None:
     assert tr.detached_keys == 0
 
 
-def test_70_72_same_batch_removal_then_store_keeps_the_hashes() -> None:
+def test_same_batch_removal_then_store_keeps_the_hashes() -> None:
     ctx = make_request("r", tokens(12), GEO)
     key = chunk_key(ctx, 2, G0)
     tr = EventTranslator(GEO)
