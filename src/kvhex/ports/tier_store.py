@@ -4,9 +4,9 @@ Every call comes from the tiering manager (or a third party driving the port) on
 and must not block on IO, except ``drain`` and ``close``. Jobs are submitted, then reported
 exactly once through ``poll``, in whatever order they finish. The tier owns the events of the
 storage it owns (``take_events``): it announces ``Stored(keys, identity, job.ctx)`` when a put
-made keys readable, ``Removed`` when keys stop being readable (eviction, delete, corruption,
-loss), and nothing for failures; replaying its events (Stored adds, Removed removes) gives
-exactly the keys it holds.
+made keys readable, ``Removed`` when keys stop being readable (eviction, corruption, loss,
+a delete where it ``Deletes``), and nothing for failures; replaying its events (Stored adds,
+Removed removes) gives exactly the keys it holds.
 
 Any number of jobs may name the same key at once, and the events must stay true in every
 order they finish: a put of a key another put is writing leaves it to that one; a get or probe
@@ -26,7 +26,7 @@ from kvhex.domain.request import ReqContext
 from kvhex.domain.tiers import TierIdentity
 from kvhex.ports.events import EventSource
 
-__all__ = ["Occupancy", "PeerView", "RequestAware", "TierStore", "tier_identities"]
+__all__ = ["Deletes", "Occupancy", "PeerView", "RequestAware", "TierStore", "tier_identities"]
 
 
 @runtime_checkable
@@ -64,12 +64,6 @@ class TierStore(EventSource, Protocol):
         """Results of jobs finished since the last call, each job exactly once. Never blocks."""
         ...
 
-    def delete(self, keys: Sequence[OffloadKey]) -> None:
-        """Remove ``keys`` (absent and repeated keys are ignored) and announce the removal of
-        those present, once each. From this call on no get serves them, and the room they
-        held is available to the next put. Never blocks on IO (the blocks may go later)."""
-        ...
-
     def drain(self) -> None:
         """Block until every submitted job finished; their results are then in ``poll``.
 
@@ -80,6 +74,21 @@ class TierStore(EventSource, Protocol):
 
     def close(self) -> None:
         """Release threads, files and connections. Idempotent. Jobs still queued fail."""
+        ...
+
+
+@runtime_checkable
+class Deletes(Protocol):
+    """Optional for a ``TierStore``: removes blocks on request. kvhex's own tiers have it;
+    the tiering manager never calls it (a tier makes room by evicting on its own), so a
+    third-party tier may leave it out. ``kvhex.testing``'s kit runs its delete checks only
+    for tiers that have it."""
+
+    def delete(self, keys: Sequence[OffloadKey]) -> None:
+        """Remove ``keys`` (absent and repeated keys are ignored) and announce the removal of
+        those present, once each. Called on the thread that submits the tier's jobs; never
+        blocks on IO (the blocks may go later). From this call on no get serves them, and the
+        room they held is available to the next put."""
         ...
 
 

@@ -32,7 +32,10 @@ Three contracts ship, all run with pytest (``pip install 'kvhex[testing]'``):
   checks that need the tier's capacity (a put right after a delete at full capacity; no slot
   leaked after the order checks) use ``make_sized_store(host, capacity_blocks)`` when the
   class implements it, else ``make_store`` with the class attribute ``capacity_blocks`` (how
-  many blocks of ``slot_bytes`` it holds), else they skip saying so.
+  many blocks of ``slot_bytes`` it holds), else they skip saying so. Deletes are checked only
+  for a tier that has ``delete`` (``kvhex.ports.tier_store.Deletes``, optional: kvhex never
+  deletes from a tier); for another one the delete checks skip, saying so, and the other
+  checks delete nothing.
 * ``CrashContract`` (opt-in, for tiers whose blocks outlive the process): writer processes
   killed with ``SIGKILL`` ``crash_cycles`` times, then the tier reopened and audited;
   ``check_recovered(store)`` is the hook for a storage check. The writers are started with
@@ -42,9 +45,11 @@ Three contracts ship, all run with pytest (``pip install 'kvhex[testing]'``):
   several instances may open at once.
 
 Payloads are ``block_payload(key, nbytes)`` of keys ``tier_key(i)``, so any byte served can
-be verified. Class attributes size everything (``slot_bytes``, ``race_bulk_blocks``,
-``race_slot_bytes``, ``race_wide_slot_bytes``, ``crash_keys``, ``crash_run_s``, ...): a slow
-tier may lower them.
+be verified. ``TierKit``'s helpers (``new_host``, ``open_store``, ``new_job``, ``submit``,
+``run_job``, ``fill``, ``spoil``, ``put_all``, ``probe``, ``get_all``, ``check_bytes``, ...)
+are public, for a tier's own checks. Class attributes size everything (``slot_bytes``,
+``race_bulk_blocks``, ``race_slot_bytes``, ``race_wide_slot_bytes``, ``crash_keys``,
+``crash_run_s``, ...): a slow tier may lower them.
 """
 
 from kvhex.testing.policy_contract import EvictionPolicyContract, policy_key

@@ -5,7 +5,8 @@ universe of keys, kills them with ``SIGKILL`` at random moments, then reopens th
 the test process and checks that it tells the truth: every block served holds exactly the
 bytes of its key (payloads are derived from keys, so no record is needed); replaying the
 reopened tier's own events equals what its probes find; every key it announced loads and no
-other key does; deleting some of them announces each once and leaves them unreadable; and
+other key does; deleting some of them announces each once and leaves them unreadable (for a
+tier that ``Deletes``; for another one the writers and checks delete nothing); and
 :meth:`CrashContract.check_recovered` (a hook: kvhex's file tier runs ``fsck`` there) is
 satisfied. It also restarts without a crash and, for tiers that several instances may open
 at once (``shared_storage``), after two instances stored the same keys.
@@ -31,10 +32,10 @@ import time
 
 from kvhex.domain.keys import OffloadKey
 from kvhex.ports.host_buffer import HostBuffer
-from kvhex.ports.tier_store import TierStore
+from kvhex.ports.tier_store import Deletes, TierStore
 from kvhex.testing.tier_bench import Bench
 from kvhex.testing.tier_kit import TierKit, describe_keys, tier_key
-from kvhex.testing.tier_writer import HOST_SLOTS, JOB_KEYS, Launcher
+from kvhex.testing.tier_writer import HOST_SLOTS, JOB_KEYS, Launcher, WriterPlan
 
 __all__ = ["CrashContract"]
 
@@ -68,7 +69,8 @@ class CrashContract(TierKit):
         rng = random.Random(seed)
         writers = 2 if self.shared_storage else 1
         context = multiprocessing.get_context("spawn")
-        launcher = Launcher(context, self, self.crash_start_timeout_s)
+        plan = WriterPlan(self.crash_slot_bytes, self.crash_capacity_blocks, self.crash_keys)
+        launcher = Launcher(context, self, plan, self.crash_start_timeout_s)
         try:
             for cycle in range(self.crash_cycles):
                 where = f"cycle {cycle} (seed {seed})"
@@ -87,16 +89,17 @@ class CrashContract(TierKit):
 
     def test_restart_keeps_exactly_what_was_resident(self) -> None:
         rng = random.Random(11)
-        host = self._host(HOST_SLOTS, self.crash_slot_bytes)
-        bench = Bench(self, self._open(host, self.crash_capacity_blocks), host, None)
+        host = self.new_host(HOST_SLOTS, self.crash_slot_bytes)
+        bench = Bench(self, self.open_store(host, self.crash_capacity_blocks), host, None)
         try:
             problems = bench.replay()
+            store = bench.store
             for step in range(10):  # a failed put stores nothing: not this check's concern
                 ids = rng.sample(range(self.crash_keys), rng.randint(1, JOB_KEYS))
-                self._put_all(bench.store, host, [tier_key(i) for i in ids])
-                if step % 3 == 2:
+                self.put_all(store, host, [tier_key(i) for i in ids])
+                if step % 3 == 2 and isinstance(store, Deletes):
                     keys = [tier_key(i) for i in rng.sample(range(self.crash_keys), 4)]
-                    bench.store.delete(keys)
+                    store.delete(keys)
                 problems += bench.replay()
             assert not problems, "; ".join(problems)
         finally:
@@ -109,29 +112,32 @@ class CrashContract(TierKit):
 
             pytest.skip("set shared_storage = True if several instances may share storage")
         keys = [tier_key(i) for i in range(JOB_KEYS)]
-        hosts = [self._host(HOST_SLOTS, self.crash_slot_bytes) for _ in range(2)]
-        stores = [self._open(host, self.crash_capacity_blocks) for host in hosts]
+        hosts = [self.new_host(HOST_SLOTS, self.crash_slot_bytes) for _ in range(2)]
+        stores = [self.open_store(host, self.crash_capacity_blocks) for host in hosts]
+        deletes = isinstance(stores[0], Deletes)
         try:
             for store, host in zip(stores, hosts, strict=True):
-                for result in self._put_all(store, host, keys):
+                for result in self.put_all(store, host, keys):
                     assert result.success, f"a put failed: {result.error}"
         finally:
             for store in stores:
                 store.close()
         self._reopen(hosts[0], set(keys), "reopened after both closed", delete=keys)
-        self._reopen(hosts[0], set(), "reopened after it deleted them")
+        if deletes:  # else nothing was deleted: the keys stay, as checked
+            self._reopen(hosts[0], set(), "reopened after it deleted them")
 
     # -- helpers -------------------------------------------------------------------------
     def _recover(self, rng: random.Random, where: str) -> None:
         """Reopen after a crash: the tier tells the truth about what it holds; deleting a
-        quarter of it announces each once and leaves them unreadable."""
-        host = self._host(HOST_SLOTS, self.crash_slot_bytes)
-        bench = Bench(self, self._open(host, self.crash_capacity_blocks), host, None)
+        quarter of it (where the tier ``Deletes``) announces each once and leaves them
+        unreadable."""
+        host = self.new_host(HOST_SLOTS, self.crash_slot_bytes)
+        bench = Bench(self, self.open_store(host, self.crash_capacity_blocks), host, None)
         try:
             problems = bench.replay()
             self._checked(bench.store, where)
             problems += bench.compare(self._universe(), "replaying the reopened tier's events")
-            if not problems:
+            if not problems and isinstance(bench.store, Deletes):
                 gone = rng.sample(sorted(bench.resident), len(bench.resident) // 4)
                 problems += bench.replay() + bench.delete(gone)
             assert not problems, f"{where}:\n  " + "\n  ".join(problems)
@@ -148,8 +154,9 @@ class CrashContract(TierKit):
         where: str,
         delete: list[OffloadKey] | None = None,
     ) -> None:
-        """Reopen after a clean close: exactly ``want`` is announced and tells the truth."""
-        bench = Bench(self, self._open(host, self.crash_capacity_blocks), host, None)
+        """Reopen after a clean close: exactly ``want`` is announced and tells the truth;
+        then ``delete`` is deleted, where the tier ``Deletes``."""
+        bench = Bench(self, self.open_store(host, self.crash_capacity_blocks), host, None)
         try:
             problems = bench.replay()
             if bench.resident != want:
@@ -160,7 +167,7 @@ class CrashContract(TierKit):
                 )
             self._checked(bench.store, where)
             problems += bench.compare(self._universe(), "replaying the reopened tier's events")
-            if delete and not problems:
+            if delete and not problems and isinstance(bench.store, Deletes):
                 problems += bench.delete(delete)
             assert not problems, f"{where}:\n  " + "\n  ".join(problems)
         finally:

@@ -19,9 +19,14 @@ from kvhex.domain.keys import OffloadKey, make_offload_key
 from kvhex.domain.request import ReqContext
 from kvhex.domain.tiers import TierIdentity
 from kvhex.ports.host_buffer import HostBuffer
-from kvhex.ports.tier_store import TierStore
+from kvhex.ports.tier_store import Deletes, TierStore
 
-__all__ = ["TierKit", "block_payload", "describe_keys", "tier_key", "tier_key_id"]
+__all__ = ["NO_DELETE", "TierKit", "block_payload", "describe_keys", "tier_key", "tier_key_id"]
+
+NO_DELETE = (
+    "the tier has no delete (kvhex.ports.tier_store.Deletes), so the checks of deletes do not apply"
+)
+"""Why a delete check is skipped, or a part of a check left out."""
 
 _JUNK = 0xEE
 _job_ids = itertools.count(1)
@@ -52,7 +57,12 @@ def describe_keys(keys: Iterable[OffloadKey], limit: int = 8) -> str:
 class TierKit:
     """The hooks and helpers the TierStore suites share. Implement :meth:`make_store`; also
     :meth:`make_sized_store` (or set :attr:`capacity_blocks`) for the checks that need to know
-    the tier's capacity."""
+    the tier's capacity.
+
+    The helpers below are public: a tier's own checks use them too (build a host buffer and
+    jobs, fill slots with the keys' payloads, run jobs to their results, check the bytes a get
+    served). They assert, with a message, when the tier breaks the port while they wait.
+    """
 
     num_slots = 16
     """Host slots of the basic checks."""
@@ -76,18 +86,24 @@ class TierKit:
         raise NotImplementedError("implement make_sized_store(host, capacity_blocks)")
 
     # -- building ------------------------------------------------------------------------
+    @staticmethod
+    def new_host(num_slots: int, slot_bytes: int) -> MemoryHostBuffer:
+        """A host buffer of ``num_slots`` slots of ``slot_bytes`` (in memory, zeroed)."""
+        return MemoryHostBuffer(num_slots, slot_bytes)
+
     def _sized(self) -> bool:
         return type(self).make_sized_store is not TierKit.make_sized_store
 
-    def _open(self, host: HostBuffer, capacity_blocks: int | None = None) -> TierStore:
-        """The tier, sized to ``capacity_blocks`` where the test class can size it."""
+    def open_store(self, host: HostBuffer, capacity_blocks: int | None = None) -> TierStore:
+        """The tier, sized to ``capacity_blocks`` where the test class can size it (else
+        :meth:`make_store`'s)."""
         if capacity_blocks is not None and self._sized():
             return self.make_sized_store(host, capacity_blocks)
         return self.make_store(host)
 
-    def _bounded(self, host: HostBuffer, wanted: int) -> tuple[TierStore, int]:
-        """A tier whose capacity in blocks is known, and that capacity; skips the check
-        (saying how to enable it) when the test class cannot provide one."""
+    def bounded_store(self, host: HostBuffer, wanted: int) -> tuple[TierStore, int]:
+        """A tier whose capacity in blocks is known, and that capacity (``wanted`` where the
+        class can size it); skips the check (saying how to enable it) when it cannot."""
         if self._sized():
             return self.make_sized_store(host, wanted), wanted
         if self.capacity_blocks is not None:
@@ -100,18 +116,30 @@ class TierKit:
         )
         raise AssertionError("unreachable: pytest.skip raises")
 
+    def deleting(self, store: TierStore) -> Deletes:
+        """``store`` as a tier that ``Deletes``; skips the check, saying so, when it does not
+        (the delete checks apply only to tiers that can delete)."""
+        if isinstance(store, Deletes):
+            return store
+        import pytest
+
+        pytest.skip(f"{type(self).__name__}: {NO_DELETE}")
+        raise AssertionError("unreachable: pytest.skip raises")
+
     # -- jobs ----------------------------------------------------------------------------
     @staticmethod
-    def _job(
+    def new_job(
         kind: JobKind,
         keys: Iterable[OffloadKey],
         slots: Iterable[int] = (),
         ctx: ReqContext | None = None,
     ) -> TierJob:
+        """A job with a job id unique in this process."""
         return TierJob(JobId(next(_job_ids)), kind, tuple(keys), tuple(slots), ctx)
 
     @staticmethod
-    def _submit(store: TierStore, job: TierJob) -> None:
+    def submit(store: TierStore, job: TierJob) -> None:
+        """Submit ``job`` by its kind (``submit_put``, ``submit_get`` or ``submit_probe``)."""
         if job.kind is JobKind.PUT:
             store.submit_put(job)
         elif job.kind is JobKind.GET:
@@ -119,7 +147,7 @@ class TierKit:
         else:
             store.submit_probe(job)
 
-    def _wait(self, store: TierStore, jobs: Iterable[TierJob]) -> dict[JobId, JobResult]:
+    def wait_for(self, store: TierStore, jobs: Iterable[TierJob]) -> dict[JobId, JobResult]:
         """Poll until every one of ``jobs`` is reported; each exactly once, no stranger."""
         wanted = {job.job_id for job in jobs}
         got: dict[JobId, JobResult] = {}
@@ -135,39 +163,41 @@ class TierKit:
             time.sleep(0.0005)
         return got
 
-    def _run(self, store: TierStore, job: TierJob) -> JobResult:
-        self._submit(store, job)
-        return self._wait(store, [job])[job.job_id]
+    def run_job(self, store: TierStore, job: TierJob) -> JobResult:
+        """Submit ``job`` and wait for its result."""
+        self.submit(store, job)
+        return self.wait_for(store, [job])[job.job_id]
 
     @staticmethod
-    def _fill(host: HostBuffer, keys: Iterable[OffloadKey], slots: Iterable[int]) -> None:
-        """Each key's payload into its slot."""
+    def fill(host: HostBuffer, keys: Iterable[OffloadKey], slots: Iterable[int]) -> None:
+        """Each key's payload into its slot (before a put)."""
         for key, slot in zip(keys, slots, strict=True):
             host.slot_view(slot)[:] = block_payload(key, host.slot_bytes)
 
     @staticmethod
-    def _spoil(host: HostBuffer, slots: Iterable[int]) -> None:
+    def spoil(host: HostBuffer, slots: Iterable[int]) -> None:
         """Junk into get targets, so a get that claims a key without copying it is caught."""
         for slot in slots:
             host.slot_view(slot)[:] = bytes([_JUNK]) * host.slot_bytes
 
-    def _put_all(
+    def put_all(
         self, store: TierStore, host: HostBuffer, keys: list[OffloadKey]
     ) -> list[JobResult]:
         """Put ``keys`` in jobs of at most ``host.num_slots`` keys, one at a time."""
         results = []
         for chunk in _chunks(keys, host.num_slots):
             slots = range(len(chunk))
-            self._fill(host, chunk, slots)
-            results.append(self._run(store, self._job(JobKind.PUT, chunk, slots)))
+            self.fill(host, chunk, slots)
+            results.append(self.run_job(store, self.new_job(JobKind.PUT, chunk, slots)))
         return results
 
-    def _probe(self, store: TierStore, keys: Collection[OffloadKey]) -> frozenset[OffloadKey]:
-        result = self._run(store, self._job(JobKind.PROBE, keys))
+    def probe(self, store: TierStore, keys: Collection[OffloadKey]) -> frozenset[OffloadKey]:
+        """The keys a probe finds (a failed probe fails the check)."""
+        result = self.run_job(store, self.new_job(JobKind.PROBE, keys))
         assert result.success, f"a probe failed: {result.error}"
         return result.found
 
-    def _load(
+    def get_all(
         self, store: TierStore, host: HostBuffer, keys: list[OffloadKey]
     ) -> tuple[set[OffloadKey], dict[OffloadKey, str]]:
         """Get ``keys`` (in jobs of at most ``host.num_slots``): the keys that loaded, and why
@@ -176,26 +206,24 @@ class TierKit:
         errors: dict[OffloadKey, str] = {}
         for chunk in _chunks(keys, host.num_slots):
             slots = range(len(chunk))
-            self._spoil(host, slots)
-            result = self._run(store, self._job(JobKind.GET, chunk, slots))
+            self.spoil(host, slots)
+            result = self.run_job(store, self.new_job(JobKind.GET, chunk, slots))
             ok = set(chunk) if result.success else set(result.ok_keys or ())
             assert ok <= set(chunk), f"a get reported keys it was not asked for: {result}"
-            self._check_bytes(host, chunk, slots, ok)
+            self.check_bytes(host, chunk, slots, ok)
             loaded |= ok
             errors.update((k, result.error or "failed") for k in chunk if k not in ok)
         return loaded, errors
 
     @staticmethod
-    def _check_bytes(
+    def check_bytes(
         host: HostBuffer, keys: Iterable[OffloadKey], slots: Iterable[int], loaded: set[OffloadKey]
     ) -> None:
+        """Every key of ``loaded`` holds exactly its payload in its slot (``AssertionError``
+        naming the key otherwise)."""
         for key, slot in zip(keys, slots, strict=True):
             if key in loaded and bytes(host.slot_view(slot)) != block_payload(key, host.slot_bytes):
                 raise AssertionError(f"key {describe_keys([key])} was served with wrong bytes")
-
-    @staticmethod
-    def _host(num_slots: int, slot_bytes: int) -> MemoryHostBuffer:
-        return MemoryHostBuffer(num_slots, slot_bytes)
 
 
 def replay(

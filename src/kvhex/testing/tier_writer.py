@@ -1,12 +1,14 @@
-"""The writer processes of :class:`~kvhex.testing.tier_crash.CrashContract`.
+"""The writer processes of the crash checks (``kvhex.testing.tier_crash``).
 
 A *launcher* is started once per check with ``multiprocessing``'s "spawn" context: a fresh
-interpreter that receives the test instance by pickle (importing its test module), and never
-opens a tier nor starts a thread. For each crash cycle it forks writers (a fork of a clean,
-single-threaded process is safe and costs milliseconds, where a spawn costs the imports
-again), reports their pids, waits for them and reports how each ended. The test process kills
-writers with ``SIGKILL`` by pid. A writer builds its tier with the suite's factory and runs
-random puts, gets, probes and deletes until it is killed, checking every byte it loads.
+interpreter that receives the test instance (any :class:`~kvhex.testing.tier_kit.TierKit`)
+and a :class:`WriterPlan` by pickle (importing the test module), and never opens a tier nor
+starts a thread. For each crash cycle it forks writers (a fork of a clean, single-threaded
+process is safe and costs milliseconds, where a spawn costs the imports again), reports their
+pids, waits for them and reports how each ended. The test process kills writers with
+``SIGKILL`` by pid. A writer builds its tier with the suite's factory and runs random puts,
+gets, probes and (where the tier ``Deletes``) deletes until it is killed, checking every byte
+it loads.
 """
 
 from __future__ import annotations
@@ -18,28 +20,42 @@ import time
 import traceback
 from multiprocessing.connection import Connection
 from multiprocessing.context import SpawnContext
-from typing import TYPE_CHECKING
+from typing import NamedTuple
 
 from kvhex.domain.jobs import JobId, JobKind, TierJob
-from kvhex.domain.keys import OffloadKey
-from kvhex.ports.host_buffer import HostBuffer
+from kvhex.ports.tier_store import Deletes
 from kvhex.testing.tier_kit import TierKit, tier_key
 
-if TYPE_CHECKING:
-    from kvhex.testing.tier_crash import CrashContract
-
-__all__ = ["HOST_SLOTS", "JOB_KEYS", "Launcher"]
+__all__ = ["HOST_SLOTS", "JOB_KEYS", "Launcher", "WriterPlan"]
 
 HOST_SLOTS = 32
+"""Host slots of a writer (and of the checks that reopen its tier)."""
 JOB_KEYS = 8
+"""The most keys a writer's job names."""
+
+
+class WriterPlan(NamedTuple):
+    """What a writer does, besides building its tier with the suite's factory.
+
+    Attributes:
+        slot_bytes: bytes per host slot (one block).
+        capacity_blocks: asked of ``make_sized_store`` (``make_store`` is used as it is).
+        keys: the writers' keys are ``tier_key(0)`` .. ``tier_key(keys - 1)``.
+    """
+
+    slot_bytes: int
+    capacity_blocks: int
+    keys: int
 
 
 class Launcher:
     """The launcher process, seen from the test process."""
 
-    def __init__(self, context: SpawnContext, suite: CrashContract, timeout_s: float) -> None:
+    def __init__(
+        self, context: SpawnContext, suite: TierKit, plan: WriterPlan, timeout_s: float
+    ) -> None:
         self.conn, child = context.Pipe()
-        self.process = context.Process(target=_launch, args=(suite, child), daemon=True)
+        self.process = context.Process(target=_launch, args=(suite, plan, child), daemon=True)
         try:
             self.process.start()
         except Exception as exc:  # pickling the suite failed
@@ -88,7 +104,7 @@ class Launcher:
         self.conn.close()
 
 
-def _launch(suite: CrashContract, conn: Connection) -> None:
+def _launch(suite: TierKit, plan: WriterPlan, conn: Connection) -> None:
     """The launcher: fork writers on request, report their pids and how they ended."""
     try:
         conn.send(("ready",))
@@ -100,7 +116,7 @@ def _launch(suite: CrashContract, conn: Connection) -> None:
                 pid = os.fork()
                 if pid == 0:  # the writer
                     os.close(read)
-                    _write(suite, seed, write)
+                    _write(suite, plan, seed, write)
                 os.close(write)
                 started.append((pid, read))
             conn.send(("started", [pid for pid, _ in started]))
@@ -118,40 +134,45 @@ def _launch(suite: CrashContract, conn: Connection) -> None:
         conn.send(("failed", traceback.format_exc()))
 
 
-def _write(suite: CrashContract, seed: int, errors: int) -> None:
+def _write(suite: TierKit, plan: WriterPlan, seed: int, errors: int) -> None:
     """A writer: random puts, gets, probes and deletes until it is killed; every loaded
     block is checked byte for byte. Never returns (``os._exit``)."""
     try:
         rng = random.Random(seed)
-        host = suite._host(HOST_SLOTS, suite.crash_slot_bytes)
-        store = suite._open(host, suite.crash_capacity_blocks)
+        host = suite.new_host(HOST_SLOTS, plan.slot_bytes)
+        store = suite.open_store(host, plan.capacity_blocks)
+        deleter = store if isinstance(store, Deletes) else None
         free = list(range(HOST_SLOTS))
         jobs: dict[JobId, TierJob] = {}
         while True:
             op = rng.random()
             n = rng.randint(1, JOB_KEYS)
-            keys = [tier_key(i) for i in rng.sample(range(suite.crash_keys), n)]
+            keys = [tier_key(i) for i in rng.sample(range(plan.keys), n)]
             job = None
             if op < 0.7 and len(free) >= n:
                 slots = [free.pop() for _ in keys]
-                kind = JobKind.PUT if op < 0.45 else JobKind.GET
-                (suite._fill if kind is JobKind.PUT else _spoil)(host, keys, slots)
-                job = suite._job(kind, keys, slots)
+                if op < 0.45:
+                    suite.fill(host, keys, slots)
+                    job = suite.new_job(JobKind.PUT, keys, slots)
+                else:
+                    suite.spoil(host, slots)
+                    job = suite.new_job(JobKind.GET, keys, slots)
             elif op < 0.8:
-                job = suite._job(JobKind.PROBE, keys)
+                job = suite.new_job(JobKind.PROBE, keys)
             elif op < 0.92:
-                store.delete(keys)
+                if deleter is not None:
+                    deleter.delete(keys)
             else:
                 store.drain()
             if job is not None:
                 jobs[job.job_id] = job
-                suite._submit(store, job)
+                suite.submit(store, job)
             for result in store.poll():
                 done = jobs.pop(result.job_id)
                 free.extend(done.slots)
                 if done.kind is JobKind.GET:
                     ok = set(done.keys) if result.success else set(result.ok_keys or ())
-                    suite._check_bytes(host, done.keys, done.slots, ok)
+                    suite.check_bytes(host, done.keys, done.slots, ok)
             store.take_events()
             if len(free) < JOB_KEYS:
                 time.sleep(0.0002)
@@ -159,7 +180,3 @@ def _write(suite: CrashContract, seed: int, errors: int) -> None:
         os.write(errors, traceback.format_exc().encode())
     finally:
         os._exit(1)
-
-
-def _spoil(host: HostBuffer, keys: list[OffloadKey], slots: list[int]) -> None:
-    TierKit._spoil(host, slots)
