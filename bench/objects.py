@@ -62,7 +62,7 @@ from _report import Report, add_chunk_sizes, add_repeats, parse, summarize
 from _s3 import LoopbackS3, start_loopback_s3
 from kvhex.adapters.memory import MemoryHostBuffer
 from kvhex.adapters.storage.nixl import obj_backend_threads
-from kvhex.adapters.storage.s3_direct import REQUESTS_IN_FLIGHT
+from kvhex.adapters.storage.objects.s3_direct import REQUESTS_IN_FLIGHT
 from kvhex.cli.bench import interval_text
 from kvhex.domain import JobId, JobKind, TierJob, make_offload_key
 from kvhex.plugins import TIERS, Registry

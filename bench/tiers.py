@@ -50,8 +50,7 @@ from typing import Any
 from _report import Report, add_chunk_sizes, add_repeats, parse, summarize
 from _s3 import start_loopback_s3
 from kvhex.adapters.memory import MemoryHostBuffer
-from kvhex.adapters.storage.files.native import checksum_entry
-from kvhex.adapters.storage.files.slabs import PosixSlotMover
+from kvhex.adapters.storage.files.posix import PosixSlotMover
 from kvhex.adapters.storage.fsspec import FsspecTierStore
 from kvhex.cli.bench import interval_text
 from kvhex.domain import JobId, JobKind, TierJob, make_offload_key
@@ -361,8 +360,9 @@ def main() -> None:
         parser.error(f"--chunk-kib: a chunk larger than the {smallest} MiB a pass moves")
     report = Report("tiers", args)
     if "files" in tiers:
-        native = PosixSlotMover(native=False if args.python_io else None).native
-        path = f"native data path, checksum {checksum_entry()}" if native else "Python data path"
+        mover = PosixSlotMover(native=False if args.python_io else None)
+        checksum = mover.checksum_entry
+        path = f"native data path, checksum {checksum}" if checksum else "Python data path"
         report.say(f"files: the {path}")
     if args.queued:
         report.say("each pass's jobs queued before the IO threads start (--queued)")

@@ -145,7 +145,24 @@ class TierError(KvhexError, RuntimeError):
 
 
 class TierUnavailable(TierError):
-    """The tier cannot be reached or used (missing bucket, unwritable root, server down)."""
+    """The tier cannot be reached or used (missing bucket, unwritable root, server down).
+
+    ``option`` names the tier's own option that would fix it, where the tier knows one: a
+    constructor argument, dotted into a mapping one (``"url"``, ``"path"``,
+    ``"storage_options.key"``). Composition reports the error at that option's key.
+    """
+
+    def __init__(
+        self,
+        problem: str,
+        *,
+        tier: str,
+        option: str | None = None,
+        key: bytes | None = None,
+        job_id: int | None = None,
+    ) -> None:
+        self.option = option
+        super().__init__(problem, tier=tier, key=key, job_id=job_id)
 
 
 class BlockCorrupted(TierError):

@@ -20,8 +20,8 @@ from pathlib import Path
 
 from kvhex.adapters.events.jsonl import read_batches
 from kvhex.adapters.events.wire import BlockRemoved, BlockStored
+from kvhex.adapters.storage.files._index import SLAB_DIR, read_table
 from kvhex.adapters.storage.files.fsck import check_root
-from kvhex.adapters.storage.files.index import SLAB_DIR, read_table
 from kvhex.domain.geometry import KvGeometry, KvGroup
 from kvhex.domain.keys import make_offload_key
 from kvhex.sim.workload import Request, context

@@ -75,7 +75,7 @@ def test_option_values_are_checked_against_the_factory_s_annotations(tmp_path: P
     options = {"url": str(tmp_path), "capacity_bytes": "big", "fsync": 1, "io_threads": True}
     error = _fails([{"type": "fsspec", "options": options}])
     assert error.issues == (
-        ("$.tiers[0].options.capacity_bytes", "expected int, got str 'big'"),
+        ("$.tiers[0].options.capacity_bytes", "expected int or None, got str 'big'"),
         ("$.tiers[0].options.fsync", "expected bool, got int 1"),
         ("$.tiers[0].options.io_threads", "expected int or None, got bool True"),
     )

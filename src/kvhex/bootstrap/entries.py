@@ -5,8 +5,9 @@ An entry is first *planned*: its entry point resolved and its options checked (a
 factory's signature, and for tiers an empty ``url`` or a ``capacity_bytes`` that holds no
 block), so that a composition can check every entry before it builds the first. Building a
 plan maps what the factory raises to keys: a ``ValueError`` or ``TypeError`` naming one of its
-options goes to that option; a tier that cannot start (``TierUnavailable``) goes to its
-``url``, or to what an object store's failure names (its endpoint, access key or secret).
+options goes to that option; a tier that cannot start (``TierUnavailable``) goes to the option
+it blames (:attr:`~kvhex.errors.TierUnavailable.option`: the tier's own argument, dotted into a
+mapping one), else to the entry. The built-in tiers and third-party ones are mapped alike.
 """
 
 from __future__ import annotations
@@ -20,7 +21,6 @@ from typing import Any, Union
 
 import attrs
 
-from kvhex.adapters.storage.object_errors import Cause, describe
 from kvhex.config.model import empty_url
 from kvhex.domain.tiers import Locality, Medium
 from kvhex.errors import ConfigError, ConfigIssue, PluginError, TierUnavailable
@@ -41,7 +41,9 @@ class EntryPaths:
         plugin: the key naming the plugin (``$.tiers[0].type``).
         options: where the option keys are (``$.tiers[0].options``).
         keys: option -> path of the key that set it, where that is not ``options.<key>``
-            (vLLM's ``root_dir`` is the ``url`` option of kvhex's file tier).
+            (vLLM's ``root_dir`` is the ``url`` option of kvhex's file tier); a dotted
+            option (``storage_options.key``) may have a path of its own, else it is under
+            its head's.
     """
 
     entry: str
@@ -60,8 +62,15 @@ class EntryPaths:
         return cls(path, f"{path}.type", f"{path}.options")
 
     def option(self, key: str) -> str:
-        """The path of option ``key``."""
-        return self.keys.get(key, f"{self.options}.{key}")
+        """The path of option ``key``; of a dotted one (``storage_options.key``), its own
+        or the rest under its head's (``$.tiers[0].options.storage_options.key``)."""
+        path = self.keys.get(key)
+        if path is not None:
+            return path
+        head, dot, rest = key.partition(".")
+        if dot and head in self.keys:
+            return f"{self.keys[head]}.{rest}"
+        return f"{self.options}.{key}"
 
 
 def build_tier(
@@ -89,9 +98,8 @@ def build_tier(
             name (listing the installed ones), a plugin that cannot be loaded, a failed
             check above, a value the tier rejects while it is built (``TypeError`` /
             ``ValueError``; at the option the message names, else at the tier), a tier that
-            cannot start (``TierUnavailable``; at the option its cause names: an object
-            store's endpoint or credentials, else its ``url``), or an object that is not a
-            ``TierStore``.
+            cannot start (``TierUnavailable``; at the option it blames, else at the tier),
+            or an object that is not a ``TierStore``.
     """
     plan = plan_tier(name, host, registry, options, _entry_paths(path))
     if plan.issues:
@@ -149,8 +157,8 @@ class Plan:
                 (paths.option(k) if k in self.kwargs else paths.entry, m) for k, m in exc.issues
             ]
             raise ConfigError(issues, source) from exc
-        except TierUnavailable as exc:  # a tier's start-up: the url, or an object store's
-            where = _unavailable_at(exc, self.kwargs, paths)
+        except TierUnavailable as exc:  # a tier's start-up: at the option it blames
+            where = paths.entry if exc.option is None else paths.option(exc.option)
             raise ConfigError([(where, f"{what} cannot start: {exc.problem}")], source) from exc
         except (TypeError, ValueError) as exc:
             key = _named_option(str(exc), self.kwargs)
@@ -235,32 +243,6 @@ def plan_sink(name: str, registry: Registry, options: Mapping[str, Any], paths: 
     return _plan(
         SINKS, "event sink", EventSink, name, registry, options=options, args=(), paths=paths
     )
-
-
-_CAUSE_KEYS: dict[Cause, tuple[str, ...]] = {
-    Cause.NO_BUCKET: ("url",),
-    Cause.UNKNOWN_ACCESS_KEY: ("access_key", "storage_options.key"),
-    Cause.SIGNATURE_MISMATCH: ("secret_key", "storage_options.secret"),
-    **dict.fromkeys(
-        (Cause.REFUSED, Cause.UNRESOLVED, Cause.TIMEOUT, Cause.UNREACHABLE, Cause.BAD_ENDPOINT),
-        ("endpoint_url", "storage_options.endpoint_url"),
-    ),
-}
-"""Per cause of an object store's failure, the options that hold what to correct."""
-
-
-def _unavailable_at(exc: TierUnavailable, options: Mapping[str, Any], paths: EntryPaths) -> str:
-    """The key a tier's start-up failure is about: what its object-store cause names
-    (endpoint, access key, secret, bucket), else its ``url``, else the entry."""
-    cause = describe(exc.__cause__).cause if exc.__cause__ is not None else Cause.OTHER
-    for key in (*_CAUSE_KEYS.get(cause, ()), "url"):
-        head, *rest = key.split(".")
-        value: Any = options
-        for part in key.split("."):
-            value = value.get(part) if isinstance(value, Mapping) else None
-        if value is not None:
-            return ".".join([paths.option(head), *rest])
-    return paths.entry
 
 
 def _named_option(message: str, options: Mapping[str, Any]) -> str | None:

@@ -7,8 +7,8 @@ from __future__ import annotations
 import threading
 from collections.abc import Sequence
 
+from kvhex.adapters.storage._io_pool import IoPool
 from kvhex.adapters.storage.adoption import BATCH, Adoption
-from kvhex.adapters.storage.io_pool import IoPool
 from kvhex.domain.events import Removed, Stored, TierEvent
 from kvhex.domain.keys import OffloadKey
 from kvhex.domain.locator import ChunkRecord, record_of

@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from kvhex.adapters.storage.io_pool import IoPool, IoTask, TaskCancelled
+from kvhex.adapters.storage._io_pool import IoPool, IoTask, TaskCancelled
 
 
 def drain(pool: IoPool, count: int, timeout: float = 10.0) -> list[IoTask]:

@@ -22,8 +22,8 @@ from collections.abc import Sequence
 
 import structlog
 
+from kvhex.adapters.storage._io_pool import IoPool
 from kvhex.adapters.storage.block_io import RecordReading, safe_error
-from kvhex.adapters.storage.io_pool import IoPool
 from kvhex.domain.events import Removed, Stored, TierEvent
 from kvhex.domain.keys import OffloadKey
 from kvhex.domain.locator import ChunkRecord

@@ -4,7 +4,7 @@
 residency index, jobs, events, IO threads); a :class:`BlockIo` moves and finds blocks in one
 namespace of one storage. Two are built in: slab files with a shared index
 (:mod:`kvhex.adapters.storage.files.slabs`) and one object per block
-(:mod:`kvhex.adapters.storage.objects`). Each takes a mover that only copies bytes
+(:mod:`kvhex.adapters.storage.objects.io`). Each takes a mover that only copies bytes
 (:class:`SlotMover` for slab slots, :class:`ObjectMover` for objects), so NIXL plugs in by
 handing its own movers over, not by subclassing (:mod:`kvhex.adapters.storage.nixl`).
 

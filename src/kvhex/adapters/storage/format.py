@@ -70,7 +70,7 @@ NIXL and direct IO."""
 MAX_HEADER_KEY_BYTES = HEADER_AREA - HEADER.size
 DIGEST_OFFSET = struct.calcsize(">8sQ")
 """Where a header holds the payload's checksum (big-endian): the native data path packs a
-header with it zeroed and fills it in (:mod:`kvhex.adapters.storage.files.native`)."""
+header with it zeroed and fills it in (:mod:`kvhex.adapters.storage.files._native`)."""
 _HEADER_AREA = struct.Struct(f"{HEADER.format}{MAX_HEADER_KEY_BYTES}s")  # key zero-padded
 _RECORD_HEAD = struct.Struct(">HI")  # record length, CRC-32 of the record
 CONFIG = "config.json"

@@ -4,7 +4,7 @@ backend (an S3-compatible object store).
 Everything but the copies is the other storage tiers': the bookkeeping
 (:class:`~kvhex.adapters.storage.tier.BlockTierStore` over the domain's residency), the slab
 files and their index on a local root (:class:`~kvhex.adapters.storage.files.slabs.SlabIo`),
-one object per block on an object store (:class:`~kvhex.adapters.storage.objects.ObjectIo`),
+one object per block on an object store (:class:`~kvhex.adapters.storage.objects.io.ObjectIo`),
 the block format, checksums on every read. This module only hands those a NIXL mover. Each IO
 thread has its own NIXL agent (agents are not thread-safe), so transfers of concurrent jobs
 run side by side without a lock.
@@ -39,11 +39,18 @@ from typing import Any, TypeVar
 from kvhex.adapters.storage.block_io import Records
 from kvhex.adapters.storage.files.slabs import SlabIo
 from kvhex.adapters.storage.format import HEADER_AREA, pack_header
-from kvhex.adapters.storage.fsspec import check_sizes, open_fs, open_namespace
-from kvhex.adapters.storage.objects import ObjectIo
+from kvhex.adapters.storage.namespace import (
+    StoreOptions,
+    check_sizes,
+    default_io_threads,
+    make_root,
+    open_fs,
+    open_namespace,
+)
+from kvhex.adapters.storage.objects.io import ObjectIo
+from kvhex.adapters.storage.objects.s3_direct import REQUESTS_IN_FLIGHT
 from kvhex.adapters.storage.peers import check_peer_options
-from kvhex.adapters.storage.s3_direct import REQUESTS_IN_FLIGHT
-from kvhex.adapters.storage.tier import BlockTierStore, default_io_threads
+from kvhex.adapters.storage.tier import BlockTierStore
 from kvhex.domain.keys import OffloadKey
 from kvhex.domain.tiers import Locality, Medium, TierIdentity
 from kvhex.ports.host_buffer import HostBuffer
@@ -68,7 +75,7 @@ thread (docs/performance.md)."""
 
 def obj_backend_threads(io_threads: int) -> int:
     """OBJ backend threads of each IO thread's agent: together at most
-    :data:`~kvhex.adapters.storage.s3_direct.REQUESTS_IN_FLIGHT` requests in flight (one
+    :data:`~kvhex.adapters.storage.objects.s3_direct.REQUESTS_IN_FLIGHT` requests in flight (one
     per agent at least), as the fsspec tier's own GETs, so a job's blocks are read and
     written side by side and a store's latency is paid about once per job, not once per
     block (NIXL's default, half the cores, is one on a 2-core machine: one request at a time
@@ -418,7 +425,8 @@ class NixlTierStore(BlockTierStore):
     Args:
         host, capacity_bytes, name, namespace, medium, locality, io_threads, announce_peers,
             peer_scan_interval_s: as for
-            :class:`~kvhex.adapters.storage.fsspec.FsspecTierStore`.
+            :class:`~kvhex.adapters.storage.fsspec.FsspecTierStore` (a capacity given in
+            bytes).
         url: a local directory (POSIX backend) or ``s3://bucket/prefix`` (OBJ backend).
         endpoint_url, access_key, secret_key, region: the object store (OBJ only); the
             bucket must exist.
@@ -426,7 +434,9 @@ class NixlTierStore(BlockTierStore):
     Raises:
         TypeError, ValueError: a bad option, as for the fsspec tier.
         TierUnavailable: the root or bucket cannot be used, or NIXL's backend cannot load
-            (each cause named).
+            (each cause named; :attr:`~kvhex.errors.TierUnavailable.option` the option to
+            correct: ``url``, or ``access_key``, ``secret_key``, ``endpoint_url`` where given
+            and at fault).
     """
 
     def __init__(
@@ -473,7 +483,15 @@ class NixlTierStore(BlockTierStore):
                 "req_checksum": "required",
                 "resp_checksum": "required",
             }
-        fs, root, local = open_fs(url, options, name)
+        blamed = StoreOptions.given(
+            {"access_key": access_key, "secret_key": secret_key, "endpoint_url": endpoint_url},
+            access_key="access_key",
+            secret="secret_key",
+            endpoint="endpoint_url",
+        )
+        fs, root, local = open_fs(url, options, name, blamed)
+        if local:
+            make_root(root, url=url, tier=name, options=blamed)
         threads = io_threads or default_io_threads(local)
         if obj:
             params["num_threads"] = str(obj_backend_threads(threads))
@@ -494,7 +512,9 @@ class NixlTierStore(BlockTierStore):
                 mover=NixlSlotMover(agents),
             )
 
-        io = open_namespace(make_io, root, namespace, host, url=url, tier=name)
+        io = open_namespace(
+            make_io, root, namespace, host, url=url, tier=name, local=local, options=blamed
+        )
         super().__init__(
             host,
             io,

@@ -30,8 +30,8 @@ from typing import Any, Protocol
 
 import structlog
 
+from kvhex.adapters.storage._io_pool import IoPool, IoTask, TaskCancelled
 from kvhex.adapters.storage.block_io import PeerListing, RecordReading, StoreLost, safe_error
-from kvhex.adapters.storage.io_pool import IoPool, IoTask, TaskCancelled
 from kvhex.domain.events import Removed, Stored, TierEvent
 from kvhex.domain.keys import OffloadKey
 from kvhex.domain.locator import ChunkRecord, record_parent
@@ -45,6 +45,7 @@ MAX_SCAN_INTERVAL_S = 3600.0
 """Longest ``peer_scan_interval_s``: a view older than an hour credits blocks long gone."""
 
 _Found = list[tuple[OffloadKey, ChunkRecord | None]]
+_Listed = tuple[set[OffloadKey], list[OffloadKey], list[OffloadKey]]
 
 
 def check_peer_options(announce_peers: Any, peer_scan_interval_s: Any) -> None:
@@ -95,10 +96,10 @@ class PeerScan:
         "_interval",
         "_io",
         "_listed",
+        "_listing",
         "_next_at",
         "_pool",
         "_reading",
-        "_task",
         "_tier",
         "_view",
         "identity",
@@ -113,8 +114,8 @@ class PeerScan:
         self._interval = interval_s
         self._pool = pool
         self._tier = tier
-        self._task: IoTask | None = None
-        self._reading = False  # the task in flight is step 2
+        self._listing: IoTask[_Listed] | None = None  # step 1 in flight
+        self._reading: IoTask[_Found] | None = None  # step 2 in flight
         self._next_at = -math.inf  # the first poll scans
         self._listed: set[OffloadKey] = set()  # what the last listing found
         self._view: set[OffloadKey] = set()  # announced under the identity
@@ -130,46 +131,52 @@ class PeerScan:
     def __len__(self) -> int:
         return len(self._view)
 
-    def owns(self, task: IoTask) -> bool:
+    def owns(self, task: object) -> bool:
         """Whether ``task`` is this view's scan."""
-        return task is self._task
+        return task is self._listing or task is self._reading
 
     def tick(self, now: float) -> None:
         """Start a scan if none is in flight and one is due at ``now`` (monotonic)."""
-        if self._task is None and now >= self._next_at and not self._closed:
+        idle = self._listing is None and self._reading is None
+        if idle and now >= self._next_at and not self._closed:
             self._next_at = now + self._interval
-            self._reading = False
-            self._task = self._pool.submit(_list, self._io, self._listed)
+            self._listing = self._pool.submit(_list, self._io, self._listed)
 
     def finished(
         self,
-        task: IoTask,
+        task: object,
         own: Callable[[OffloadKey], bool] | None,
         events: list[TierEvent],
     ) -> None:
         """Apply the scan step ``task`` (:meth:`owns` it), appending what it announces to
         ``events``; ``own`` says which keys this instance holds itself, where the view
         leaves those out."""
-        self._task = None
-        reading, self._reading = self._reading, False
+        listing = self._listing if task is self._listing else None
+        reading = self._reading if task is self._reading else None
+        self._listing = self._reading = None
         asked, self._asked = self._asked, []
-        exc = task.error
+        if reading is not None:
+            exc = reading.error
+        elif listing is not None:
+            exc = listing.error
+        else:
+            return
         if self._closed or isinstance(exc, TaskCancelled):
             return
         if exc is not None:
             self.scans += 1
             if isinstance(exc, StoreLost):  # nothing is there any more
                 self._drop_all(events)
-            elif reading:  # read them again at the next scan
+            elif reading is not None:  # read them again at the next scan
                 self._listed.difference_update(asked)
             if not isinstance(exc, Exception):
                 raise exc
             log.warning("tier_peer_scan_failed", tier=self._tier, error=safe_error(exc))
-        elif reading:
+        elif reading is not None:
             self.scans += 1
-            self._announce(asked, task.value, events)
-        else:
-            listed, added, gone = task.value
+            self._announce(asked, reading.value, events)
+        elif listing is not None:
+            listed, added, gone = listing.value
             self._listed_now(listed, added, gone, own, events)
 
     def _listed_now(
@@ -193,8 +200,7 @@ class PeerScan:
             self.scans += 1
             return
         self._asked = new
-        self._reading = True
-        self._task = self._pool.submit(_read, self._io, new)
+        self._reading = self._pool.submit(_read, self._io, new)
 
     def lost(self, keys: Iterable[OffloadKey], events: list[TierEvent]) -> None:
         """A read of this instance found ``keys`` (others' blocks) missing or corrupt: they
@@ -233,9 +239,7 @@ class PeerScan:
         self._bad.clear()
 
 
-def _list(
-    io: PeerListing, before: set[OffloadKey]
-) -> tuple[set[OffloadKey], list[OffloadKey], list[OffloadKey]]:
+def _list(io: PeerListing, before: set[OffloadKey]) -> _Listed:
     """Step 1 (an IO thread): the keys listed now, those new since ``before``, those gone."""
     now = io.peer_keys()
     return now, [k for k in now if k not in before], [k for k in before if k not in now]

@@ -31,13 +31,13 @@ run on the scheduler thread only; IO runs on a pool of ``io_threads`` and never 
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import TypeVar
 
 import structlog
 
+from kvhex.adapters.storage._io_pool import IoPool, IoTask, TaskCancelled
 from kvhex.adapters.storage.adoption import Adoption, described
 from kvhex.adapters.storage.block_io import (
     BlockIo,
@@ -49,7 +49,6 @@ from kvhex.adapters.storage.block_io import (
     safe_error,
 )
 from kvhex.adapters.storage.format import Verdict
-from kvhex.adapters.storage.io_pool import IoPool, IoTask, TaskCancelled
 from kvhex.adapters.storage.peers import PeerScan
 from kvhex.adapters.storage.records import chunk_records, encode_records
 from kvhex.domain.events import Stored, TierEvent
@@ -61,11 +60,18 @@ from kvhex.domain.tiers import TierIdentity
 from kvhex.errors import TierUnavailable
 from kvhex.ports.host_buffer import HostBuffer
 
-__all__ = ["BlockTierStore", "default_io_threads"]
+__all__ = ["BlockTierStore"]
 
 log = structlog.get_logger(__name__)
 
+T = TypeVar("T")
+
 _PutOutcome = tuple[list[OffloadKey], list[OffloadKey], str | None]
+"""A put's IO: the keys written, the keys found lost (and written again), the first error."""
+_GetOutcome = tuple[list[OffloadKey], list[OffloadKey], list[OffloadKey]]
+"""A get's IO: the keys read and verified, found corrupt, found missing."""
+_ProbeOutcome = frozenset[OffloadKey]
+"""A probe's IO: the keys found."""
 
 
 class _Job:
@@ -126,11 +132,14 @@ class BlockTierStore:
             raise
         self._exclusive = io.exclusive
         self._events: list[TierEvent] = []  # the tier's own, before the residency's
-        self._jobs: dict[IoTask, _Job] = {}
-        # removals in flight; finished tasks queue themselves in the pool, so poll costs what
-        # finished, not what is in flight
-        self._removals: dict[IoTask, list[OffloadKey]] = {}
-        self._leaving: dict[OffloadKey, IoTask] = {}  # key -> the removal of its block
+        # jobs in flight, by kind (each task's outcome typed); finished tasks queue themselves
+        # in the pool, so poll costs what finished, not what is in flight
+        self._puts: dict[IoTask[_PutOutcome], _Job] = {}
+        self._gets: dict[IoTask[_GetOutcome], _Job] = {}
+        self._probes: dict[IoTask[_ProbeOutcome], _Job] = {}
+        self._removals: dict[IoTask[None], list[OffloadKey]] = {}  # removals in flight
+        # key -> the task removing its block (a removal, or a put replacing it as a victim)
+        self._leaving: dict[OffloadKey, IoTask[None] | IoTask[_PutOutcome]] = {}
         self.corrupt_blocks = 0
         self.lost_blocks = 0
         self.io_errors = 0
@@ -188,7 +197,7 @@ class BlockTierStore:
         reservation = self._index.reserve(job.keys, job.ctx, verify=not self._exclusive)
         if reservation is None:
             unfit: _PutOutcome = ([], [], "the job does not fit the tier's capacity")
-            self._start(job, None, self._pool.completed(unfit))
+            self._puts[self._pool.completed(unfit)] = _Job(job, None)
             return
         owned = reservation.owned
         if len(owned) == len(job.keys):  # every key new here, none twice: the job's own order
@@ -201,21 +210,21 @@ class BlockTierStore:
             checks = [(k, slots[k]) for k in verify.serials] if verify else []
         leaving = self._leaving
         # the removal of a key this job writes, and any removal whose room it may need
-        waits = list(self._removals)
+        waits: list[IoTask[None] | IoTask[_PutOutcome]] = list(self._removals)
         if leaving and not leaving.keys().isdisjoint(owned):
             waits += {leaving[k] for k in owned if k in leaving}
         victims = list(reservation.victims)
         records = chunk_records(job.ctx, [k for k, _ in (*writes, *checks)])
         task = self._pool.submit(self._do_put, writes, checks, victims, waits, records)
         self._remove_later(victims, task)
-        self._start(job, reservation, task)
+        self._puts[task] = _Job(job, reservation)
 
     def submit_get(self, job: TierJob) -> None:
         """Read and verify ``job.keys`` into ``job.slots`` on an IO thread."""
         self._check_open(job, JobKind.GET)
         snapshot = self._index.snapshot(job.keys, pin=True)
         items = [(k, s) for k, s in zip(job.keys, job.slots, strict=True) if self._readable_now(k)]
-        self._start(job, snapshot, self._pool.submit(self._do_get, items))
+        self._gets[self._pool.submit(self._do_get, items)] = _Job(job, snapshot)
 
     def submit_probe(self, job: TierJob) -> None:
         """Which keys exist: the index answers for this instance's blocks (where it is the
@@ -230,7 +239,9 @@ class BlockTierStore:
         else:
             known = set()
             snapshot = self._index.snapshot(readable)
-        self._start(job, snapshot, self._pool.submit(self._do_probe, frozenset(known), asked))
+        self._probes[self._pool.submit(self._do_probe, frozenset(known), asked)] = _Job(
+            job, snapshot
+        )
 
     def poll(self) -> list[JobResult]:
         """Results of finished jobs, each once; applies them to the residency and events.
@@ -254,9 +265,18 @@ class BlockTierStore:
             removed = self._removals.pop(task, None)
             if removed is not None:
                 self._removed(task, removed)
-            entry = self._jobs.pop(task, None)
+                continue
+            entry = self._puts.pop(task, None)
             if entry is not None:
-                results.append(self._apply(entry, task))
+                results.append(self._apply_put(entry, task))
+                continue
+            entry = self._gets.pop(task, None)
+            if entry is not None:
+                results.append(self._apply_get(entry, task))
+                continue
+            entry = self._probes.pop(task, None)
+            if entry is not None:
+                results.append(self._apply_probe(entry, task))
         if peers is not None and not self._closed:
             peers.tick(time.monotonic())
         return results
@@ -272,7 +292,7 @@ class BlockTierStore:
         """Block until every submitted job and removal finished (and the reading of the
         records of the blocks adopted at start-up, where it runs after it)."""
         adoption = () if self._adoption is None else (self._adoption.task,)
-        self._pool.wait([*self._jobs, *self._removals, *adoption])
+        self._pool.wait([*self._puts, *self._gets, *self._probes, *self._removals, *adoption])
 
     def close(self) -> None:
         """Finish running IO, cancel queued jobs (reported failed by the next poll, their room
@@ -363,58 +383,57 @@ class BlockTierStore:
         announced yet) or removes it (announced gone)."""
         return key not in self._leaving and not self._index.is_pending(key)
 
-    def _start(self, job: TierJob, state: Reservation | Snapshot | None, task: IoTask) -> None:
-        self._jobs[task] = _Job(job, state)
-
-    def _remove_later(self, keys: list[OffloadKey], task: IoTask | None = None) -> None:
+    def _remove_later(
+        self, keys: list[OffloadKey], task: IoTask[_PutOutcome] | None = None
+    ) -> None:
         """``keys`` left the index; their blocks are removed by ``task`` (a put removing
         its victims) or by a removal of their own."""
         if not keys:
             return
+        remover: IoTask[None] | IoTask[_PutOutcome]
         if task is None:
-            task = self._pool.submit(self._io.remove_many, keys)
-            self._removals[task] = keys
+            remover = self._pool.submit(self._io.remove_many, keys)
+            self._removals[remover] = keys
+        else:
+            remover = task
         for key in keys:
-            self._leaving[key] = task
+            self._leaving[key] = remover
 
-    def _removed(self, task: IoTask, keys: list[OffloadKey]) -> None:
+    def _removed(self, task: IoTask[None], keys: list[OffloadKey]) -> None:
         self._gone(task, keys)
         exc = task.error
         if exc is not None and not isinstance(exc, TaskCancelled):
             self.io_errors += 1
             log.warning("tier_remove_failed", tier=self._name, error=safe_error(exc))
 
-    def _gone(self, task: IoTask, keys: Sequence[OffloadKey]) -> None:
+    def _gone(self, task: IoTask[None] | IoTask[_PutOutcome], keys: Sequence[OffloadKey]) -> None:
         leaving = self._leaving
         for key in keys:
             if leaving.get(key) is task:
                 del leaving[key]
 
-    def _apply(self, entry: _Job, task: IoTask) -> JobResult:
-        job = entry.job
-        seconds = time.perf_counter() - entry.started
-        outcome: Any = task.value
+    def _outcome(self, task: IoTask[T]) -> T | Exception:
+        """What a finished job's IO returned, or the error it ended with (a closed tier's
+        for a cancelled one); a lost storage is applied here, once."""
         exc = task.error
+        if exc is None:
+            return task.value
         if isinstance(exc, TaskCancelled):
-            outcome = TierUnavailable("closed", tier=self._name)
-        elif exc is not None:
-            if not isinstance(exc, Exception):  # KeyboardInterrupt, SystemExit: not ours
-                raise exc
-            outcome = exc  # a bug, a lost store, an IO error outside per-key handling
-        if isinstance(outcome, StoreLost):
-            self._lost_everything(outcome)
-        if job.kind is JobKind.PUT:
-            return self._apply_put(entry, task, outcome, seconds)
-        if job.kind is JobKind.GET:
-            return self._apply_get(entry, outcome, seconds)
-        return self._apply_probe(entry, outcome, seconds)
+            return TierUnavailable("closed", tier=self._name)
+        if not isinstance(exc, Exception):  # KeyboardInterrupt, SystemExit: not ours
+            raise exc
+        if isinstance(exc, StoreLost):
+            self._lost_everything(exc)
+        return exc  # a bug, a lost store, an IO error outside per-key handling
 
-    def _apply_put(self, entry: _Job, task: IoTask, outcome: Any, seconds: float) -> JobResult:
+    def _apply_put(self, entry: _Job, task: IoTask[_PutOutcome]) -> JobResult:
         job, reservation = entry.job, entry.state
+        seconds = time.perf_counter() - entry.started
+        outcome = self._outcome(task)
         written: list[OffloadKey]
         lost: list[OffloadKey]
         error: str | None
-        if isinstance(outcome, BaseException):
+        if isinstance(outcome, Exception):
             written, lost, error = [], [], _describe(outcome)
         else:
             written, lost, error = outcome
@@ -423,7 +442,7 @@ class BlockTierStore:
             strays = self._index.commit(reservation, set(written), set(lost))
             self.lost_blocks += len(lost)
             again = strays
-            if isinstance(outcome, BaseException) and not self._closed:
+            if isinstance(outcome, Exception) and not self._closed:
                 # the job may have stopped before removing its victims: remove those nobody
                 # has stored again since (a new writer of one replaces its block itself)
                 again = again + [k for k in reservation.victims if self._absent(k)]
@@ -435,10 +454,12 @@ class BlockTierStore:
             return JobResult(job.job_id, False, nbytes=nbytes, seconds=seconds, error=error)
         return JobResult(job.job_id, True, nbytes=nbytes, seconds=seconds)
 
-    def _apply_get(self, entry: _Job, outcome: Any, seconds: float) -> JobResult:
+    def _apply_get(self, entry: _Job, task: IoTask[_GetOutcome]) -> JobResult:
         job, snapshot = entry.job, entry.state
+        seconds = time.perf_counter() - entry.started
+        outcome = self._outcome(task)
         assert isinstance(snapshot, Snapshot)
-        if isinstance(outcome, BaseException):
+        if isinstance(outcome, Exception):
             self._index.release(snapshot)
             return JobResult(job.job_id, False, seconds=seconds, error=_describe(outcome))
         ok, corrupt, missing = outcome
@@ -468,13 +489,15 @@ class BlockTierStore:
             error=f"{len(job.keys) - len(ok)} of {len(job.keys)} blocks missing or corrupt",
         )
 
-    def _apply_probe(self, entry: _Job, outcome: Any, seconds: float) -> JobResult:
+    def _apply_probe(self, entry: _Job, task: IoTask[_ProbeOutcome]) -> JobResult:
         job, snapshot = entry.job, entry.state
-        if isinstance(outcome, BaseException):
+        seconds = time.perf_counter() - entry.started
+        outcome = self._outcome(task)
+        if isinstance(outcome, Exception):
             if isinstance(snapshot, Snapshot):
                 self._index.release(snapshot)
             return JobResult(job.job_id, False, seconds=seconds, error=_describe(outcome))
-        found: frozenset[OffloadKey] = outcome
+        found = outcome
         if isinstance(snapshot, Snapshot):  # the storage is the truth: what it lacks is lost
             lost = [k for k in snapshot.serials if k not in found]
             dropped = self._index.release(snapshot, lost=lost)
@@ -493,7 +516,7 @@ class BlockTierStore:
         writes: list[tuple[OffloadKey, int]],
         checks: list[tuple[OffloadKey, int]],
         victims: list[OffloadKey],
-        waits: list[IoTask],
+        waits: list[IoTask[None] | IoTask[_PutOutcome]],
         records: dict[OffloadKey, ChunkRecord] | None,
     ) -> _PutOutcome:
         self._pool.wait(waits)  # removals submitted earlier: they hold a thread or are done
@@ -509,9 +532,7 @@ class BlockTierStore:
         written = [k for (k, _), err in zip(writes, errors, strict=True) if err is None]
         return written, lost, next((e for e in errors if e is not None), None)
 
-    def _do_get(
-        self, items: list[tuple[OffloadKey, int]]
-    ) -> tuple[list[OffloadKey], list[OffloadKey], list[OffloadKey]]:
+    def _do_get(self, items: list[tuple[OffloadKey, int]]) -> _GetOutcome:
         view = self._host.slot_view
         verdicts = self._io.read_many([(k, view(s)) for k, s in items])
         ok: list[OffloadKey] = []
@@ -526,17 +547,9 @@ class BlockTierStore:
                 missing.append(key)
         return ok, corrupt, missing
 
-    def _do_probe(
-        self, known: frozenset[OffloadKey], asked: list[OffloadKey]
-    ) -> frozenset[OffloadKey]:
+    def _do_probe(self, known: _ProbeOutcome, asked: list[OffloadKey]) -> _ProbeOutcome:
         return known | frozenset(self._io.exists_many(asked)) if asked else known
 
 
 def _describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {safe_error(exc)}"
-
-
-def default_io_threads(local: bool) -> int:
-    """Local files: the cores, up to 4 (page-cache copies are CPU work); object stores: 8
-    (requests wait on the network)."""
-    return min(4, os.cpu_count() or 1) if local else 8

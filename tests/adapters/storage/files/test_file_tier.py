@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from kvhex.adapters.memory import MemoryHostBuffer
-from kvhex.adapters.storage.files.index import read_table, table_bytes
+from kvhex.adapters.storage.files._index import read_table, table_bytes
 from kvhex.adapters.storage.format import HEADER_AREA, namespace_digest
 from kvhex.adapters.storage.fsspec import FsspecTierStore
 from kvhex.domain import JobId, JobKind, Removed, Stored, TierJob

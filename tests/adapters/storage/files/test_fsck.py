@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 
 from kvhex.adapters.memory import MemoryHostBuffer
+from kvhex.adapters.storage.files._index import read_table, table_bytes
 from kvhex.adapters.storage.files.fsck import Finding, FsckReport, NamespaceReport, check_root
-from kvhex.adapters.storage.files.index import read_table, table_bytes
 from kvhex.adapters.storage.format import HEADER_AREA, LAYOUT_VERSION, namespace_digest
 from kvhex.adapters.storage.fsspec import FsspecTierStore
 from kvhex.domain import JobKind

@@ -19,8 +19,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvhex.adapters.memory import MemoryHostBuffer
-from kvhex.adapters.storage.files import native, slabs
-from kvhex.adapters.storage.files.slabs import PosixSlotMover
+from kvhex.adapters.storage.files import _native as native
+from kvhex.adapters.storage.files import posix
+from kvhex.adapters.storage.files.posix import PosixSlotMover
 from kvhex.adapters.storage.format import (
     HEADER_AREA,
     KeptRecord,
@@ -116,9 +117,7 @@ def test_both_paths_write_the_same_bytes_and_read_them_back_alike(
     run_limit: int,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from kvhex.adapters.storage.files import slabs
-
-    monkeypatch.setattr(slabs, "_RUN_BYTES", run_limit or (1 << 40))
+    monkeypatch.setattr(posix, "_RUN_BYTES", run_limit or (1 << 40))
     gap = gaps.draw(st.lists(st.booleans(), min_size=len(sizes), max_size=len(sizes)))
     host = random_host(len(sizes), 1 << 18, len(sizes))
     # chunk records in every other header, of every length up to the longest that fits
@@ -212,12 +211,12 @@ def test_a_failed_run_fails_its_blocks_only_with_the_python_paths_text(tmp_path:
 SHORT_WRITE = """
 import os, resource, signal, sys
 from kvhex.adapters.memory import MemoryHostBuffer
-from kvhex.adapters.storage.files import slabs
+from kvhex.adapters.storage.files import posix
 from tests.adapters.jobs import key
 
 signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # EFBIG instead of the signal
 payload, count, run_bytes, limit = (int(a) for a in sys.argv[3:7])
-slabs._RUN_BYTES = run_bytes
+posix._RUN_BYTES = run_bytes
 host = MemoryHostBuffer(count, max(payload, 1))
 for s in range(count):
     host.slot_view(s)[:] = bytes([s % 251 + 1]) * max(payload, 1)
@@ -225,7 +224,7 @@ resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
 fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
 size = 4096 + payload
 blocks = [(fd, i * size, key(i + 1), host.slot_view(i)[:payload]) for i in range(count)]
-errors = slabs.PosixSlotMover(native=sys.argv[2] == "1").write_slots(blocks)
+errors = posix.PosixSlotMover(native=sys.argv[2] == "1").write_slots(blocks)
 print(errors.count(None), sorted(set(errors) - {None}), os.fstat(fd).st_size)
 """
 
@@ -312,7 +311,7 @@ def test_a_checksum_that_disagrees_with_xxhash_leaves_the_python_path(
     monkeypatch.setattr(xxhash, "xxh3_64_intdigest", lambda data: 0)
     with pytest.raises(native.NativeUnavailable, match="disagrees with xxhash at 0 bytes"):
         native.load()
-    slabs._WARNED.clear()
+    posix._WARNED.clear()
     with structlog.testing.capture_logs() as said:
         assert not PosixSlotMover().native  # the default falls back, and says so
         assert not PosixSlotMover().native
@@ -410,5 +409,5 @@ def test_the_build_compiles_the_native_path_or_says_why(tmp_path: Path) -> None:
     assert "the native data path was not built" in required
     assert not list(Path(native.__file__).parent.glob("_slotio*.so"))  # no stale build left
     assert "True" in build_wheel(tmp_path / "again", KVHEX_NATIVE="auto")  # built in place again
-    loads = "from kvhex.adapters.storage.files import native; print(native.load().API_VERSION)"
+    loads = "from kvhex.adapters.storage.files import _native; print(_native.load().API_VERSION)"
     assert run_script(loads).strip() == str(native._API_VERSION)

@@ -21,10 +21,12 @@ import pytest
 import structlog.testing
 
 from kvhex.adapters.memory import MemoryHostBuffer
-from kvhex.adapters.storage.files import index, slabs
+from kvhex.adapters.storage.files import _index as index
+from kvhex.adapters.storage.files import slabs
+from kvhex.adapters.storage.files._index import SLAB_DIR, read_table, table_bytes
 from kvhex.adapters.storage.files.fsck import check_root
-from kvhex.adapters.storage.files.index import SLAB_DIR, read_table, table_bytes
-from kvhex.adapters.storage.files.slabs import PosixSlotMover, SlabIo
+from kvhex.adapters.storage.files.posix import PosixSlotMover
+from kvhex.adapters.storage.files.slabs import SlabIo
 from kvhex.adapters.storage.format import (
     HEADER_AREA,
     MAGIC,
@@ -399,7 +401,8 @@ def test_a_key_in_two_dead_instances_slabs_is_adopted_once_and_removed_for_good(
 KILLED_BETWEEN_WRITE_AND_COMMIT = """
 import os, signal, sys
 from kvhex.adapters.memory import MemoryHostBuffer
-from kvhex.adapters.storage.files.slabs import PosixSlotMover, SlabIo
+from kvhex.adapters.storage.files.posix import PosixSlotMover
+from kvhex.adapters.storage.files.slabs import SlabIo
 from tests.adapters.jobs import key
 from tests.adapters.storage.files.test_slabs import BLOCK, CONFIG, SLOT
 

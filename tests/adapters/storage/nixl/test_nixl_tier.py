@@ -10,7 +10,7 @@ from pathlib import Path
 from kvhex.adapters.memory import MemoryHostBuffer
 from kvhex.adapters.storage.format import HEADER_AREA
 from kvhex.adapters.storage.nixl import NixlTierStore, obj_backend_threads
-from kvhex.adapters.storage.s3_direct import REQUESTS_IN_FLIGHT
+from kvhex.adapters.storage.objects.s3_direct import REQUESTS_IN_FLIGHT
 from kvhex.domain import JobId, JobKind, Removed, Stored, TierJob
 from tests.adapters.conftest import CREDENTIALS, Wire
 from tests.adapters.jobs import key, run

@@ -14,7 +14,7 @@ import structlog
 
 from kvhex.adapters.memory import MemoryHostBuffer
 from kvhex.adapters.storage.fsspec import FsspecTierStore
-from kvhex.adapters.storage.object_errors import Cause, describe, public_url
+from kvhex.adapters.storage.objects._errors import Cause, describe, public_url
 from kvhex.domain import JobKind
 from kvhex.errors import TierUnavailable
 from tests.adapters.conftest import CREDENTIALS, AuthS3, s3_options

@@ -10,7 +10,7 @@ import pytest
 
 from kvhex.adapters.memory import MemoryHostBuffer
 from kvhex.adapters.storage.fsspec import FsspecTierStore
-from kvhex.adapters.storage.s3_direct import REQUESTS_IN_FLIGHT
+from kvhex.adapters.storage.objects.s3_direct import REQUESTS_IN_FLIGHT
 from kvhex.domain import JobKind, Removed, Stored
 from kvhex.errors import TierUnavailable
 from tests.adapters.conftest import CREDENTIALS, Wire, s3_options
@@ -319,7 +319,7 @@ def test_own_gets_the_server_keeps_refusing_give_way_to_s3fs_for_good(
     stops sending its own GETs (one request per block, not two) and says why, once."""
     from structlog.testing import capture_logs
 
-    from kvhex.adapters.storage.objects import REFUSED_JOBS
+    from kvhex.adapters.storage.objects.mover import REFUSED_JOBS
 
     wire = wire_s3_server
     wire.refused_agents["kvhex"] = 403
@@ -346,7 +346,7 @@ def test_own_gets_stay_on_through_passing_refusals_and_server_errors(
     """Refusals that are not ``REFUSED_JOBS`` jobs in a row (a server that refused for a
     while), or any number of server errors (503 SlowDown: throttling, which s3fs retries),
     leave the tier's own GETs on."""
-    from kvhex.adapters.storage.objects import REFUSED_JOBS
+    from kvhex.adapters.storage.objects.mover import REFUSED_JOBS
 
     wire = wire_s3_server
     _, _, store = stored(wire, 2)
@@ -381,13 +381,13 @@ def test_reads_are_left_to_s3fs_where_a_request_is_not_plain(
     """AWS's own endpoints, virtual-hosted addressing, a custom certificate check, a CRC
     check asked of botocore or an IPv6 endpoint: s3fs reads, as botocore builds requests for
     that client."""
-    from kvhex.adapters.storage.fsspec import open_fs
-    from kvhex.adapters.storage.s3_direct import DirectReader
+    from kvhex.adapters.storage.namespace import StoreOptions, open_fs
+    from kvhex.adapters.storage.objects.s3_direct import DirectReader
 
-    fs, _, _ = open_fs("s3://b/kv", s3_options(endpoint, **extra), "s3")
+    fs, _, _ = open_fs("s3://b/kv", s3_options(endpoint, **extra), "s3", StoreOptions())
     fs.connect()
     assert DirectReader.of(fs) is None
-    plain, _, _ = open_fs("s3://b/kv", s3_options("http://127.0.0.1:9"), "s3")
+    plain, _, _ = open_fs("s3://b/kv", s3_options("http://127.0.0.1:9"), "s3", StoreOptions())
     plain.connect()
     reader = DirectReader.of(plain)
     assert isinstance(reader, DirectReader)

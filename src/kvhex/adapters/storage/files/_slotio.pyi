@@ -1,4 +1,4 @@
-"""Types of the native data path (``_slotio.c``; see :mod:`kvhex.adapters.storage.files.native`)."""
+"""Types of the native data path (``_slotio.c``, loaded and checked by ``_native.py``)."""
 
 from collections.abc import Sequence
 

@@ -36,7 +36,7 @@ from typing import Any
 
 import attrs
 
-from kvhex.adapters.storage.files.index import (
+from kvhex.adapters.storage.files._index import (
     KNOWN_ENTRIES,
     SLAB_DIR,
     TableError,

@@ -10,6 +10,11 @@ short description and what would fix it. No credential reaches either: the texts
 from error codes, the bucket, the tier's URL and the endpoint (its user info stripped), never
 from the server's messages.
 
+A tier that cannot start blames the option that would fix it
+(:attr:`~kvhex.errors.TierUnavailable.option`): :class:`StoreOptions` names, in the tier's own
+terms, the options that hold the access key id, the secret and the endpoint, and
+:func:`start_up_error` picks the one the cause is about (the ``url`` for the rest).
+
 Nothing here imports botocore or aiohttp: exceptions are recognised by the names of their
 classes, so this module loads without the ``kvhex[s3]`` extra.
 """
@@ -17,15 +22,25 @@ classes, so this module loads without the ``kvhex[s3]`` extra.
 from __future__ import annotations
 
 import enum
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
 import attrs
 
+from kvhex.adapters.storage.block_io import StoreLost
 from kvhex.errors import TierUnavailable
 
-__all__ = ["Cause", "StoreFailure", "describe", "job_error", "public_url", "start_up_error"]
+__all__ = [
+    "Cause",
+    "StoreFailure",
+    "StoreOptions",
+    "describe",
+    "job_error",
+    "public_url",
+    "start_up_error",
+    "store_error",
+]
 
 
 class Cause(enum.Enum):
@@ -148,12 +163,70 @@ def describe(exc: BaseException, where: str | None = None) -> StoreFailure:
     return StoreFailure(Cause.OTHER, f"{type(exc).__name__}: {_credential_free(exc)}")
 
 
-def start_up_error(exc: BaseException, *, url: str, tier: str) -> TierUnavailable:
+_ENDPOINT_CAUSES = frozenset(
+    (Cause.REFUSED, Cause.UNRESOLVED, Cause.TIMEOUT, Cause.UNREACHABLE, Cause.BAD_ENDPOINT)
+)
+
+
+@attrs.frozen
+class StoreOptions:
+    """A tier's own options (constructor arguments, dotted into a mapping one:
+    ``storage_options.key``) that hold its URL and, where the tier was given them, an object
+    store's access key id, secret and endpoint: what a start-up failure blames."""
+
+    url: str = "url"
+    access_key: str | None = None
+    secret: str | None = None
+    endpoint: str | None = None
+
+    @classmethod
+    def given(cls, options: Mapping[str, Any], **names: str) -> StoreOptions:
+        """Each of ``names`` (``access_key``, ``secret``, ``endpoint`` -> the option's dotted
+        name) whose option holds a value in ``options`` (the tier's arguments)."""
+        kept = {}
+        for field, name in names.items():
+            value: Any = options
+            for part in name.split("."):
+                value = value.get(part) if isinstance(value, Mapping) else None
+            if value is not None:
+                kept[field] = name
+        return cls(**kept)
+
+    def blamed(self, cause: Cause) -> str:
+        """The option that would correct a failure of ``cause``: the credential or endpoint
+        it is about where the tier was given that, else the URL."""
+        if cause is Cause.UNKNOWN_ACCESS_KEY:
+            named = self.access_key
+        elif cause is Cause.SIGNATURE_MISMATCH:
+            named = self.secret
+        elif cause in _ENDPOINT_CAUSES:
+            named = self.endpoint
+        else:
+            named = None
+        return named or self.url
+
+
+def start_up_error(
+    exc: BaseException, *, url: str, tier: str, options: StoreOptions
+) -> TierUnavailable:
     """The error a tier raises when it cannot start on ``url``: the cause, the URL and what
     would fix it (for a cause :func:`describe` does not recognise, the exception's type and
-    credential-free message)."""
+    credential-free message), blaming the option of ``options`` the cause is about."""
     failure = describe(exc, url)
-    return TierUnavailable(f"cannot use root {public_url(url)!r}: {failure}", tier=tier)
+    return TierUnavailable(
+        f"cannot use root {public_url(url)!r}: {failure}",
+        tier=tier,
+        option=options.blamed(failure.cause),
+    )
+
+
+def store_error(exc: BaseException, url: str) -> OSError | StoreLost:
+    """What a failed store call at run time means: the bucket gone, or an error naming the
+    cause (the failed job's error)."""
+    failure = describe(exc, url)
+    if failure.cause is Cause.NO_BUCKET:
+        return StoreLost(failure.text)
+    return OSError(job_error(exc, url))
 
 
 def job_error(exc: BaseException, where: str | None = None) -> str:

@@ -1,4 +1,4 @@
-"""Object-store tiers: one object per block through any fsspec filesystem (s3fs for S3), the
+"""``ObjectIo``: one object per block through any fsspec filesystem (s3fs for S3), the
 :class:`~kvhex.adapters.storage.block_io.BlockIo` of the fsspec and NIXL tiers on an
 ``s3://`` root.
 
@@ -11,7 +11,9 @@ format)::
 Object writes are single ``PUT``s, atomic by nature; every instance lists the namespace at
 start-up (and reads the listed blocks' chunk records after it, a ranged ``GET`` of each
 header area: :meth:`ObjectIo.read_records`), and, for a tier's peer view, whenever it scans
-(:meth:`ObjectIo.peer_keys`).
+(:meth:`ObjectIo.peer_keys`). The bytes move through a mover
+(:class:`~kvhex.adapters.storage.objects.mover.FsspecObjectMover` by default, NIXL's
+``NixlObjectMover`` on the NIXL tier).
 
 The store, not this instance, is the truth about what exists (anyone with access may delete
 objects, a server may lose them): the tier checks what its index lists against it on probes
@@ -20,19 +22,15 @@ emptied, and a bucket that no longer exists holds nothing: both raise
 :class:`~kvhex.adapters.storage.block_io.StoreLost`, and the tier announces every block gone.
 
 Errors: start-up raises what the store raised, for the tier to name
-(:func:`~kvhex.adapters.storage.object_errors.start_up_error`); at run time a failed call is
-a failed job whose error names the cause (:func:`~kvhex.adapters.storage.object_errors.job_error`).
+(:func:`~kvhex.adapters.storage.namespace.open_namespace`); at run time a failed call is a
+failed job whose error names the cause.
 """
 
 from __future__ import annotations
 
 import contextlib
-import enum
-import threading
 from collections.abc import Iterable, Sequence
 from typing import Any
-
-import structlog
 
 from kvhex.adapters.storage.block_io import (
     Inventory,
@@ -42,28 +40,16 @@ from kvhex.adapters.storage.block_io import (
     Records,
     StoreLost,
 )
-from kvhex.adapters.storage.format import (
-    CONFIG,
-    HEADER_AREA,
-    Verdict,
-    holds_key,
-    pack_header,
-    verify,
-)
-from kvhex.adapters.storage.object_errors import Cause, describe, job_error
+from kvhex.adapters.storage.format import CONFIG, HEADER_AREA, Verdict, holds_key, verify
+from kvhex.adapters.storage.objects._errors import store_error
+from kvhex.adapters.storage.objects.mover import FsspecObjectMover, exists_paths
 from kvhex.adapters.storage.records import header_record
-from kvhex.adapters.storage.s3_direct import FALLBACK, REFUSED, DirectReader
 from kvhex.domain.keys import OffloadKey
 from kvhex.domain.locator import ChunkRecord
 
-__all__ = ["REFUSED_JOBS", "SUFFIX", "FsspecObjectMover", "ObjectIo"]
-
-log = structlog.get_logger(__name__)
+__all__ = ["SUFFIX", "ObjectIo"]
 
 SUFFIX = ".blk"
-REFUSED_JOBS = 3
-"""Get jobs in a row whose every own GET the server refused (a 4xx answer), while s3fs was
-served the same objects, before the fsspec tier reads through s3fs only."""
 
 
 def _key_from_hex(stem: str) -> OffloadKey | None:
@@ -213,9 +199,9 @@ class ObjectIo:
         """
         by_path = {self.path(k): k for k in keys}
         try:
-            found = _exists_paths(self.fs, list(by_path))
+            found = exists_paths(self.fs, list(by_path))
         except Exception as exc:
-            raise _failure(exc, self.url) from exc
+            raise store_error(exc, self.url) from exc
         if len(found) < len(by_path) and not self._namespace_intact():
             raise StoreLost(f"{self.url} is gone: its {CONFIG} vanished")
         return {by_path[p] for p in found}
@@ -235,13 +221,13 @@ class ObjectIo:
         try:
             got = self.fs.cat_ranges(paths, 0, HEADER_AREA, on_error="return")
         except Exception as exc:
-            raise _failure(exc, self.url) from exc
+            raise store_error(exc, self.url) from exc
         out: dict[OffloadKey, ChunkRecord | None] = {}
         for key, header in zip(keys, got, strict=True):
             if isinstance(header, FileNotFoundError):
                 continue
             if isinstance(header, BaseException):
-                raise _failure(header, self.url) from header
+                raise store_error(header, self.url) from header
             if holds_key(header, key):
                 out[key] = header_record(header, key)
         return out
@@ -256,7 +242,7 @@ class ObjectIo:
         try:
             return {key for path, _ in self._walk() if (key := self._key_of(path)) is not None}
         except Exception as exc:
-            raise _failure(exc, self.url) from exc
+            raise store_error(exc, self.url) from exc
 
     def remove_many(self, keys: Sequence[OffloadKey]) -> None:
         """Delete the blocks of ``keys`` in one batch (one bulk request on S3)."""
@@ -292,159 +278,5 @@ class ObjectIo:
                 return True
             self.fs.pipe_file(path, self.config)
         except Exception as exc:
-            raise _failure(exc, self.url) from exc
+            raise store_error(exc, self.url) from exc
         return False
-
-
-class _Reads(enum.Enum):
-    """How :class:`FsspecObjectMover` reads blocks."""
-
-    UNKNOWN = "unknown"
-    """Not decided yet: the first get decides, once the namespace's client exists."""
-    DIRECT = "direct"
-    """The tier's own signed GETs straight into the slots, s3fs for what they leave."""
-    S3FS = "s3fs"
-    """s3fs only: an endpoint whose requests are not plain to build, or a server that
-    refused the own GETs ``REFUSED_JOBS`` jobs in a row."""
-
-
-class FsspecObjectMover:
-    """Blocks as objects through fsspec: a job's objects go out as one concurrent ``pipe``
-    (a block's object built with one copy of the payload). They come back, on an
-    S3-compatible endpoint, by signed GETs straight into the host slots
-    (:class:`~kvhex.adapters.storage.s3_direct.DirectReader`), and otherwise, or whatever
-    those leave, as one ``cat`` copied into the slots."""
-
-    def __init__(self, fs: Any, url: str) -> None:
-        self.fs = fs
-        self.url = url
-        # s3fs asks for an object's size (a HEAD) before every GET unless told to read each
-        # object in one request: a block is one object, read whole
-        self._cat_options = {"max_concurrency": 1} if hasattr(fs, "max_concurrency") else {}
-        self._reads = _Reads.UNKNOWN
-        self._reader: DirectReader | None = None  # open until the mover closes
-        self._reads_lock = threading.Lock()
-        self._refused_jobs = 0  # jobs in a row whose every own GET s3fs had to serve
-
-    def put_objects(
-        self,
-        objects: Sequence[tuple[str, OffloadKey, memoryview]],
-        records: Records | None = None,
-    ) -> list[str | None]:
-        """PUT every object (its header keeping the key's chunk record from ``records``);
-        after a failed batch, what landed counts as written."""
-        payload = {}
-        for path, key, view in objects:
-            data = bytearray(HEADER_AREA + len(view))
-            data[HEADER_AREA:] = view
-            record = records.get(key, b"") if records else b""
-            # the checksum reads the copy, still in the CPU cache, not the slot again
-            data[:HEADER_AREA] = pack_header(key, memoryview(data)[HEADER_AREA:], None, record)
-            payload[path] = data
-        try:
-            self.fs.pipe(payload)
-        except Exception as exc:
-            failure = _failure(exc, self.url)
-            if isinstance(failure, StoreLost):
-                raise failure from exc
-            # the batch is all or nothing from here: find out what actually landed
-            try:
-                landed = _exists_paths(self.fs, list(payload))
-            except Exception:
-                landed = set()
-            return [None if path in landed else str(failure) for path, _, _ in objects]
-        return [None] * len(objects)
-
-    def get_objects(self, objects: Sequence[tuple[str, memoryview]]) -> list[bytes | None]:
-        """GET every object; the header of each whole block, ``None`` if absent, ``b""`` if
-        not a whole block.
-
-        Raises:
-            StoreLost: the bucket is gone.
-            OSError: the store failed; the message names the cause.
-        """
-        with self._reads_lock:
-            if self._reads is _Reads.UNKNOWN:  # the client exists once the namespace was opened
-                self._reader = DirectReader.of(self.fs)
-                self._reads = _Reads.S3FS if self._reader is None else _Reads.DIRECT
-            direct = self._reader if self._reads is _Reads.DIRECT else None
-        if direct is None:
-            return self._cat(objects)
-        out = direct.read(objects)
-        refused = all(got is REFUSED for got in out)
-        rest = [i for i, got in enumerate(out) if got is FALLBACK or got is REFUSED]
-        if rest:
-            for i, got in zip(rest, self._cat([objects[i] for i in rest]), strict=True):
-                out[i] = got
-        # s3fs found what the server refused the reader
-        self._judge(direct, refused and any(got is not None for got in out))
-        return out
-
-    def _judge(self, direct: DirectReader, refused: bool) -> None:
-        """After ``REFUSED_JOBS`` jobs in a row whose own GETs the server refused (a proxy
-        that rejects their signature, say) while serving s3fs the same objects, reads go
-        through s3fs only: one request per block, not two. Server errors and broken
-        connections (a server restarting, throttling) do not count."""
-        with self._reads_lock:
-            self._refused_jobs = self._refused_jobs + 1 if refused else 0
-            if self._refused_jobs < REFUSED_JOBS or self._reads is not _Reads.DIRECT:
-                return
-            # the reader stays open: another IO thread may be inside its read()
-            self._reads = _Reads.S3FS
-        log.warning(
-            "s3_direct_reads_off", url=self.url, jobs=REFUSED_JOBS, last_refusal=direct.refusal
-        )
-
-    def _cat(self, objects: Sequence[tuple[str, memoryview]]) -> list[bytes | None]:
-        """:meth:`get_objects` through one s3fs ``cat``."""
-        paths = [path for path, _ in objects]
-        try:
-            got = self.fs.cat(paths, on_error="return", **self._cat_options)
-        except Exception as exc:
-            raise _failure(exc, self.url) from exc
-        out: list[bytes | None] = []
-        for path, view in objects:
-            data = got.get(path)
-            if data is None or isinstance(data, FileNotFoundError):
-                out.append(None)
-            elif isinstance(data, BaseException):
-                raise _failure(data, self.url) from data
-            elif len(data) != HEADER_AREA + len(view):
-                out.append(b"")
-            else:
-                view[:] = memoryview(data)[HEADER_AREA:]  # one copy, not two
-                out.append(bytes(data[:HEADER_AREA]))
-        return out
-
-    def close(self) -> None:
-        """Stop the direct reader's request threads, if it has one."""
-        with self._reads_lock:
-            if self._reader is not None:
-                self._reader.close()
-
-
-def _failure(exc: BaseException, url: str) -> OSError | StoreLost:
-    """What a failed store call means here: the bucket gone, or an error naming the cause."""
-    failure = describe(exc, url)
-    if failure.cause is Cause.NO_BUCKET:
-        return StoreLost(failure.text)
-    return OSError(job_error(exc, url))
-
-
-def _exists_paths(fs: Any, paths: list[str]) -> set[str]:
-    """Which ``paths`` exist: one listing answers every path of a shard asked for twice or
-    more, one request each for the rest."""
-    by_prefix: dict[str, list[str]] = {}
-    for path in paths:
-        by_prefix.setdefault(path.rsplit("/", 1)[0], []).append(path)
-    found: set[str] = set()
-    for prefix, wanted in by_prefix.items():
-        if len(wanted) > 1:
-            try:
-                listed = set(fs.find(prefix))
-            except FileNotFoundError:
-                listed = set()
-            found.update(p for p in wanted if p in listed)
-        else:
-            found.update(p for p in wanted if fs.exists(p))
-    return found

@@ -24,28 +24,36 @@ import threading
 import weakref
 from collections import deque
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 __all__ = ["IoPool", "IoTask", "TaskCancelled"]
+
+T = TypeVar("T")
+
+_UNSET: Any = None
+"""A task's ``value`` until it has one (and for good where it failed)."""
 
 
 class TaskCancelled(Exception):
     """The pool closed before the task started."""
 
 
-class IoTask:
-    """One call to run on a pool thread, then its outcome.
+class IoTask(Generic[T]):
+    """One call to run on a pool thread, then its outcome: what the call returned
+    (``value``) or raised (``error``).
 
     ``done`` turns true once, after ``value`` or ``error`` is set (a cancelled task's error
-    is :class:`TaskCancelled`) and the task is in its pool's ``finished``.
+    is :class:`TaskCancelled`) and the task is in its pool's ``finished``. ``value`` is
+    ``None`` until then, and stays ``None`` where ``error`` is set: read it once ``done``
+    and ``error`` is ``None``.
     """
 
     __slots__ = ("args", "done", "error", "fn", "value")
 
-    def __init__(self, fn: Callable[..., Any], args: tuple[Any, ...]) -> None:
+    def __init__(self, fn: Callable[..., T], args: tuple[Any, ...]) -> None:
         self.fn = fn
         self.args = args
-        self.value: Any = None
+        self.value: T = _UNSET
         self.error: BaseException | None = None
         self.done = False
 
@@ -75,7 +83,7 @@ class IoPool:
         # the threads hold the shared state, not the pool: a pool nobody closed still goes
         self._close = weakref.finalize(self, _shut_down, shared, workers)
 
-    def submit(self, fn: Callable[..., Any], *args: Any) -> IoTask:
+    def submit(self, fn: Callable[..., T], *args: Any) -> IoTask[T]:
         """Queue ``fn(*args)``; the task shows up in :attr:`finished` once it ran.
 
         Raises:
@@ -87,15 +95,15 @@ class IoPool:
         self._shared.queue.put(task)
         return task
 
-    def completed(self, value: Any) -> IoTask:
+    def completed(self, value: T) -> IoTask[T]:
         """A task that is done already with ``value``, queued in :attr:`finished`."""
-        task = IoTask(_nothing, ())
+        task: IoTask[T] = IoTask(_nothing, ())
         task.value = value
         task.done = True
         self.finished.append(task)
         return task
 
-    def wait(self, tasks: Iterable[IoTask]) -> None:
+    def wait(self, tasks: Iterable[IoTask[Any]]) -> None:
         """Block until every one of ``tasks`` is done."""
         pending = [task for task in tasks if not task.done]
         if not pending:
@@ -122,8 +130,8 @@ class _Shared:
     __slots__ = ("cond", "finished", "queue", "waiting")
 
     def __init__(self) -> None:
-        self.queue: queue.SimpleQueue[IoTask | None] = queue.SimpleQueue()
-        self.finished: deque[IoTask] = deque()
+        self.queue: queue.SimpleQueue[IoTask[Any] | None] = queue.SimpleQueue()
+        self.finished: deque[IoTask[Any]] = deque()
         self.cond = threading.Condition(threading.Lock())
         self.waiting = 0  # threads in IoPool.wait: only then do finishing tasks notify
 
@@ -140,7 +148,7 @@ def _work(shared: _Shared) -> None:
         _finish(shared, task)
 
 
-def _finish(shared: _Shared, task: IoTask) -> None:
+def _finish(shared: _Shared, task: IoTask[Any]) -> None:
     # queued before it is done: whoever waited for it finds it in ``finished`` (a tier's
     # drain promises pollable results); ``done`` is set before ``waiting`` is read: a waiter
     # registered after that read finds the task done when it checks, one registered before
@@ -166,5 +174,5 @@ def _shut_down(shared: _Shared, workers: list[threading.Thread]) -> None:
             worker.join()
 
 
-def _nothing() -> None:
+def _nothing() -> Any:
     return None

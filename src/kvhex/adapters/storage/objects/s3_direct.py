@@ -15,7 +15,7 @@ addressing, over http or https with the default certificate checks, a path of UR
 characters, and no CRC check of each response asked of botocore
 (``response_checksum_validation``). Otherwise, and for every answer but a whole block (200)
 or a missing key (404 ``NoSuchKey``), the read goes through s3fs, which names the cause (a
-lost bucket, credentials, an endpoint down: :mod:`kvhex.adapters.storage.object_errors`).
+lost bucket, credentials, an endpoint down: :mod:`kvhex.adapters.storage.objects._errors`).
 Refusals (a 4xx answer) are told apart from other fallbacks (:data:`REFUSED`), and
 :attr:`DirectReader.refusal` keeps the last one, for the caller that turns the reader off
 when the server keeps refusing it what s3fs is served.
