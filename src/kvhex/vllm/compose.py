@@ -125,7 +125,7 @@ def _tier_options(
     if tier.default_capacity:
         url = options.get("url")
         if tier.type == "fs" and isinstance(url, str):
-            options["capacity_bytes"] = max(1, free_bytes(url))
+            options["capacity_bytes"] = None  # the file tier takes its root's free space
         else:
             options["capacity_bytes"] = DEFAULT_OBJECT_CAPACITY
     return options
