@@ -6,7 +6,6 @@ model) and :mod:`kvhex.plugins` (entry-point registry).
 """
 
 from kvhex.errors import (
-    BlockCorrupted,
     ConfigError,
     InvalidKeyError,
     KvhexError,
@@ -20,7 +19,6 @@ from kvhex.errors import (
 __version__ = "0.1.0"
 
 __all__ = [
-    "BlockCorrupted",
     "ConfigError",
     "InvalidKeyError",
     "KvhexError",

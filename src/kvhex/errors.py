@@ -8,13 +8,13 @@
     ├── InvalidKeyError(ValueError)    a key of the wrong type or length
     ├── StateError(RuntimeError)       a call the tier's state machine does not allow
     ├── TierError(RuntimeError)        a storage tier failed
-    │   ├── TierUnavailable            the tier cannot be reached or used at all
-    │   └── BlockCorrupted             a stored block failed its integrity check
+    │   └── TierUnavailable            the tier cannot be reached or used at all
     └── TransferError(RuntimeError)    a device <-> host copy failed
 
 Each error also subclasses the built-in it behaves like, so callers that only know the
 standard library still catch it. Errors carry structured fields and build their message
-from them. Expected outcomes (a miss, a full tier) are return values, never exceptions.
+from them. Expected outcomes (a miss, a full tier, a block that fails its checksum: counted,
+dropped and reported as a failed get) are return values, never exceptions.
 
 This module imports nothing from kvhex: every layer, the domain included, may raise from it.
 """
@@ -24,7 +24,6 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 __all__ = [
-    "BlockCorrupted",
     "ConfigError",
     "ConfigIssue",
     "InvalidKeyError",
@@ -163,10 +162,6 @@ class TierUnavailable(TierError):
     ) -> None:
         self.option = option
         super().__init__(problem, tier=tier, key=key, job_id=job_id)
-
-
-class BlockCorrupted(TierError):
-    """A stored block failed its integrity check (checksum mismatch, truncation)."""
 
 
 class TransferError(KvhexError, RuntimeError):
