@@ -46,6 +46,8 @@ def files(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
         "empty_url": HOST + tier(root, url="") + RUN,
         "small_tier": HOST + tier(root, cap=1000) + RUN,
         "unknown_tier": HOST + tier(root).replace('"fsspec"', '"floppy"') + RUN,
+        "unknown_transfer": HOST + tier(root) + RUN + 'transfer = "floppy"\n',
+        "transfer_option": HOST + tier(root) + RUN + "transfer_options = { copy_thread = 2 }\n",
         "tier_option": HOST
         + '[[tiers]]\ntype = "fsspec"\noptions = { url = "x", capacity = 5 }\n'
         + RUN,
@@ -121,6 +123,13 @@ CASES = [
     ("tier-capacity-inf", ["run", "--tier-capacity", "1e400"], USAGE, ["--tier-capacity"]),
     ("host-capacity-0", ["run", "--host-capacity", "0"], USAGE, ["--host-capacity", "than 0"]),
     ("device", ["run", "--device", "gpu"], USAGE, ["--device", "'gpu'", "'cuda'"]),
+    ("transfer-name", ["run", "--transfer", "Torch"], USAGE, ["--transfer", "entry-point name"]),
+    (
+        "transfer-unknown",
+        ["run", "--config", "{good}", "--transfer", "floppy"],
+        USAGE,
+        ["$.run.transfer (from --transfer floppy)", "'floppy'", "available: memory, torch"],
+    ),
     ("unknown-flag", ["run", "--frobnicate"], USAGE, ["--frobnicate"]),
     ("empty-tier", ["run", "--tier", " "], USAGE, ["--tier", "must not be empty"]),
     (
@@ -243,6 +252,18 @@ CASES = [
         ["run", "--config", "{unknown_tier}"],
         USAGE,
         ["$.tiers[0].type", "'floppy'", "available: "],
+    ),
+    (
+        "config-unknown-transfer",
+        ["run", "--config", "{unknown_transfer}"],
+        USAGE,
+        ["$.run.transfer", "unknown transfer 'floppy'; available: memory, torch"],
+    ),
+    (
+        "config-transfer-option",
+        ["run", "--config", "{transfer_option}"],
+        USAGE,
+        ["$.run.transfer_options.copy_thread", "unexpected keyword argument"],
     ),
     (
         "config-tier-option",

@@ -43,6 +43,7 @@ CHANGES_NEITHER = {
     "requests": {"requests": 7},
     "device blocks": {"device_blocks": 64},
     "device": {"device": "cpu"},
+    "transfer": {"transfer": "counting", "transfer_options": {"copy_threads": 2}},
 }
 
 

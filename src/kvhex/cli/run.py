@@ -2,8 +2,9 @@
 
 With no arguments: the host tier plus a local file tier in a temporary directory, a
 synthetic multi-turn chat with shared prefixes, the torch transfer on CUDA when present and
-on CPU tensors otherwise. ``--config`` takes a TOML/JSON file (``[primary]``, ``[[tiers]]``,
-``[[sinks]]``, ``[run]``: docs/configuration.md); flags override it.
+on CPU tensors otherwise (``--transfer`` names another ``kvhex.transfers`` entry point).
+``--config`` takes a TOML/JSON file (``[primary]``, ``[[tiers]]``, ``[[sinks]]``, ``[run]``:
+docs/configuration.md); flags override it.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from kvhex.adapters.events.endpoints import endpoint_problem, is_endpoint
 from kvhex.cli._args import EXIT_FAILED, EXIT_OK, fail, positive
 from kvhex.config.loader import load_config
 from kvhex.config.model import (
+    CHECKS,
     KvhexConfig,
     Options,
     PluginName,
@@ -105,6 +107,13 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
         help="keep serving the metrics this long after the summary (a last scrape)",
     )
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), help="device KV cache")
+    p.add_argument(
+        "--transfer",
+        type=_entry_point,
+        metavar="NAME",
+        help="the kvhex.transfers entry point copying device <-> host (default: [run] "
+        "transfer, torch)",
+    )
     p.add_argument("--seed", type=int, help="workload and KV bytes seed")
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
     p.add_argument("--no-progress", action="store_true", help="no live progress line")
@@ -115,6 +124,13 @@ def _text(text: str) -> str:
     if not text.strip():
         raise argparse.ArgumentTypeError("must not be empty")
     return text
+
+
+def _entry_point(text: str) -> str:
+    try:
+        return str(CHECKS[PluginName](text))
+    except (TypeError, ValueError) as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _size(text: str) -> int:
@@ -250,9 +266,12 @@ def _configure(args: argparse.Namespace, scratch: str) -> tuple[KvhexConfig, dic
         requests=args.requests or config.run.requests,
         seed=config.run.seed if args.seed is None else args.seed,
         device=args.device or config.run.device,
+        transfer=args.transfer or config.run.transfer,
     )
     if args.device:
         flags["$.run.device"] = f"--device {args.device}"
+    if args.transfer:
+        flags["$.run.transfer"] = f"--transfer {args.transfer}"
     # evolve, not rebuild: every other table (``[loading]``, ...) stays as configured
     return attrs.evolve(config, primary=primary, tiers=tiers, sinks=sinks, run=run), flags
 
@@ -274,7 +293,11 @@ def _named(exc: ConfigError, flags: dict[str, str]) -> ConfigError:
         return exc
     issues = []
     for path, problem in exc.issues:
-        made = [flag for prefix, flag in flags.items() if path.startswith(prefix)]
+        made = [
+            flag
+            for prefix, flag in flags.items()
+            if path == prefix or path.startswith((f"{prefix}.", f"{prefix}["))
+        ]
         issues.append((f"{path} (from {made[0]})" if made else path, problem))
     return ConfigError(issues, exc.source)
 

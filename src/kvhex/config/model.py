@@ -446,6 +446,11 @@ class RunConfig:
         blocks_per_chunk: device blocks per offloaded chunk (one host slot).
         device_blocks: device KV blocks per layer (the engine's GPU cache).
         device: ``auto`` (CUDA when present), ``cpu`` or ``cuda``.
+        transfer: the ``kvhex.transfers`` entry point that copies between the device KV
+            cache (torch tensors) and the host tier (``torch``, or a third party's).
+        transfer_options: keyword arguments of the transfer's factory besides what the run
+            passes it (the host buffer, the KV tensors, ``tensor_groups``,
+            ``blocks_per_chunk``).
     """
 
     requests: PositiveInt = attrs.field(
@@ -467,6 +472,12 @@ class RunConfig:
     )
     device: DeviceChoice = attrs.field(
         default=DeviceChoice("auto"), validator=_validator(_device_choice)
+    )
+    transfer: PluginName = attrs.field(
+        default=PluginName("torch"), validator=_validator(_plugin_name)
+    )
+    transfer_options: Options = attrs.field(
+        factory=lambda: Options({}), validator=_validator(_options)
     )
 
 
