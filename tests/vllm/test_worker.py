@@ -27,7 +27,9 @@ from vllm.v1.kv_offload.base import (
 )
 from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
 
-from kvhex.errors import TransferError
+from kvhex.adapters.torch import TensorHostBuffer, TorchBlockTransfer
+from kvhex.errors import PluginError, TransferError
+from kvhex.plugins import TRANSFERS, Registry
 from kvhex.vllm.worker import KvhexCpuOffloadingWorker, tensor_groups_of
 
 SENTINEL = -7
@@ -296,3 +298,38 @@ def test_a_load_has_landed_when_submit_returns_and_is_still_reported() -> None:
     assert all(torch.equal(t[7], o) for t, o in zip(layout.kv, originals, strict=True))
     assert [r.job_id for r in worker.get_finished()] == [1, 2]
     worker.shutdown()
+
+
+class Recording(TorchBlockTransfer):
+    """The torch transfer, keeping what the worker built it with."""
+
+    def __init__(
+        self,
+        host: TensorHostBuffer,
+        kv_caches: list[torch.Tensor],
+        *,
+        tensor_groups: list[tuple[int, ...]],
+        blocks_per_chunk: list[int],
+        tag: str,
+    ) -> None:
+        super().__init__(
+            host, kv_caches, tensor_groups=tensor_groups, blocks_per_chunk=blocks_per_chunk
+        )
+        self.built_with = (host.slot_bytes, len(kv_caches), tensor_groups, blocks_per_chunk, tag)
+
+
+def test_the_transfer_is_the_registrys_entry_named_with_its_options() -> None:
+    layout = LAYOUTS["two groups overlaid on shared tensors"]()
+    registry = Registry.discover([TRANSFERS])
+    registry.register(TRANSFERS, "recording", Recording)
+    worker = layout.worker(transfer="recording", transfer_options={"tag": "t"}, registry=registry)
+    assert isinstance(worker.transfer, Recording)
+    assert worker.transfer.built_with == (layout.cell, 2, [(0, 1), (0, 1)], [2, 2], "t")
+    job = ([0, 1], [[3, 4], [5]], [0, 0])
+    worker.submit_store(1, *specs(*job))
+    (result,) = finished(worker, {1})
+    assert result.success
+    assert torch.equal(layout.region, layout.expected_cells([job]))
+    worker.shutdown()
+    with pytest.raises(PluginError, match="unknown name; available: memory, recording, torch"):
+        layout.worker(transfer="nope", registry=registry)

@@ -1,11 +1,11 @@
 """``KvhexCpuOffloadingWorker``: vLLM's ``OffloadingWorker`` for vLLM's CPU platform.
 
 vLLM's own worker refuses the CPU platform (it needs CUDA streams, pinned DMA and its
-``swap_blocks`` ops, none of which the CPU build has). This one runs kvhex's
-``BlockTransfer`` port (``kvhex.adapters.torch.TorchBlockTransfer``) between the CPU KV-cache
-tensors vLLM registers and this worker's cell of vLLM's shared offload region, the same
-``/dev/shm`` mapping the scheduler side's host tier (``RegionHostBuffer``) reads, in the layout
-vLLM's worker writes:
+``swap_blocks`` ops, none of which the CPU build has). This one runs a kvhex ``BlockTransfer``
+taken from the ``kvhex.transfers`` registry (``torch`` by default,
+``kvhex.adapters.torch.TorchBlockTransfer``) between the CPU KV-cache tensors vLLM registers
+and this worker's cell of vLLM's shared offload region, the same ``/dev/shm`` mapping the
+scheduler side's host tier (``RegionHostBuffer``) reads, in the layout vLLM's worker writes:
 
 * every chunk row of the region holds one cell per worker rank (``cpu_page_size`` bytes each,
   rank ``r`` at offset ``r * cpu_page_size``; rank 0 only under the replicated layout), rows
@@ -16,6 +16,12 @@ vLLM's worker writes:
 
 So the bytes vLLM's CPU build stores are exactly where kvhex's tiers expect them, and a chunk a
 file tier wrote is loaded back into any engine with the same layout.
+
+The transfer is called as ``kvhex run`` calls it, with torch tensors: vLLM hands the worker
+its KV cache as tensors and the region as a tensor view, so a transfer that takes tensors
+fits (``factory(host, kv_caches, tensor_groups=..., blocks_per_chunk=..., **options)``, with
+a ``TensorHostBuffer`` over the cells and, for hybrid models, several groups per tensor);
+kvhex's ``memory`` transfer, which copies ``bytearray`` caches, does not.
 
 Stores run in the background on the transfer's copy threads. Loads are waited for by default
 (``wait_loads``): ``submit_load`` returns once the copy is done. On the CPU the copy and the
@@ -35,17 +41,18 @@ assert).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import structlog
 import torch
 from vllm.v1.kv_offload import base as vbase
 
-from kvhex.adapters.torch import TorchBlockTransfer
 from kvhex.domain.jobs import JobId
 from kvhex.domain.transfer import TransferJob, TransferKind
-from kvhex.errors import TransferError
+from kvhex.errors import PluginError, TransferError
+from kvhex.plugins import TRANSFERS, Registry
+from kvhex.ports.transfer import BlockTransfer
 
 __all__ = ["CellHostBuffer", "KvhexCpuOffloadingWorker", "tensor_groups_of"]
 
@@ -54,7 +61,8 @@ log = structlog.get_logger(__name__)
 
 class CellHostBuffer:
     """One worker's cells of the shared region: ``[num_chunks, cell_bytes]`` uint8, rows
-    ``row_stride`` apart (a strided view, never a copy), for ``TorchBlockTransfer``."""
+    ``row_stride`` apart (a strided view, never a copy): a ``TensorHostBuffer`` for the
+    worker's transfer."""
 
     __slots__ = ("_tensor", "num_slots", "slot_bytes")
 
@@ -103,7 +111,7 @@ def tensor_groups_of(kv_caches: vbase.CanonicalKVCaches) -> list[tuple[int, ...]
 
 
 class KvhexCpuOffloadingWorker(vbase.OffloadingWorker):
-    """vLLM's worker contract over a ``TorchBlockTransfer`` on the CPU (module docstring).
+    """vLLM's worker contract over a kvhex ``BlockTransfer`` on the CPU (module docstring).
 
     Args:
         kv_caches: vLLM's canonical KV caches (per-tensor ``(num_blocks, page)`` int8 views
@@ -112,10 +120,16 @@ class KvhexCpuOffloadingWorker(vbase.OffloadingWorker):
         cells: this worker's cells of the shared region, ``[num_chunks, cpu_page_size]``.
         release: called once at shutdown, after the last copy finished (unmaps the region).
         wait_loads: ``submit_load`` waits for its copy (module docstring).
+        transfer: the ``kvhex.transfers`` entry point doing the copies.
+        transfer_options: keyword arguments of its factory besides what the worker passes
+            (the cells, the tensors, ``tensor_groups``, ``blocks_per_chunk``).
+        registry: where ``transfer`` is found (default: the installed entry points).
 
     Raises:
         TransferError: the tensors do not fill a cell exactly (naming both sizes), or any
-            layout error ``TorchBlockTransfer`` names.
+            layout error the transfer names.
+        PluginError: ``transfer`` is not installed (the message lists the installed ones),
+            cannot be imported (with its install hint), or builds no ``BlockTransfer``.
     """
 
     def __init__(
@@ -126,20 +140,33 @@ class KvhexCpuOffloadingWorker(vbase.OffloadingWorker):
         cells: torch.Tensor,
         release: Callable[[], None] | None = None,
         wait_loads: bool = True,
+        transfer: str = "torch",
+        transfer_options: Mapping[str, Any] | None = None,
+        registry: Registry | None = None,
     ) -> None:
         tensors = [t.tensor for t in kv_caches.tensors]
         groups = tensor_groups_of(kv_caches)
         host = CellHostBuffer(cells)
-        self._transfer: TorchBlockTransfer | None = TorchBlockTransfer(
+        plugins = Registry.discover([TRANSFERS]) if registry is None else registry
+        built = plugins.load(TRANSFERS, transfer)(
             host,
             tensors,
             tensor_groups=groups,
             blocks_per_chunk=[blocks_per_chunk] * len(kv_caches.group_data_refs),
+            **(transfer_options or {}),
         )
+        if not isinstance(built, BlockTransfer):
+            raise PluginError(
+                f"built a {type(built).__name__}, not a BlockTransfer",
+                group=TRANSFERS,
+                name=transfer,
+            )
+        self._transfer: BlockTransfer | None = built
         self._release = release
         self._wait_loads = wait_loads
         log.info(
             "kvhex_cpu_offloading_worker_ready",
+            transfer=transfer,
             tensors=len(tensors),
             groups=len(kv_caches.group_data_refs),
             chunks=host.num_slots,
@@ -147,7 +174,7 @@ class KvhexCpuOffloadingWorker(vbase.OffloadingWorker):
         )
 
     @property
-    def transfer(self) -> TorchBlockTransfer:
+    def transfer(self) -> BlockTransfer:
         """The kvhex transfer doing the copies.
 
         Raises:
