@@ -1,8 +1,10 @@
-"""Installs the third-party fixture distributions and the example tier for real (pip, no index,
-no network) into private directories, and puts one on sys.path only for the tests that ask."""
+"""Installs the third-party fixture distributions and the example tier and transfer for real
+(pip, no index, no network) into private directories, and puts one on sys.path only for the
+tests that ask."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -12,7 +14,15 @@ import pytest
 
 FIXTURES = Path(__file__).parent.parent / "fixtures"
 EXAMPLES = Path(__file__).parent.parent.parent / "examples"
-MODULES = ("kvhex_fifo", "kvhex_shadow", "kvhex_sqlite")  # forgotten when a site leaves sys.path
+MODULES = ("kvhex_fifo", "kvhex_shadow", "kvhex_sqlite", "kvhex_counting")
+"""Forgotten when a site leaves sys.path."""
+
+
+def env_with(site: Path) -> dict[str, str]:
+    """This interpreter's environment with an installed site first on the path, and no
+    bytecode or cache written into the source tree (for a child process)."""
+    path = [str(site), *filter(None, [os.environ.get("PYTHONPATH")])]
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(path), "PYTHONDONTWRITEBYTECODE": "1"}
 
 
 def _install(source: Path, target: Path) -> Path:
@@ -52,6 +62,12 @@ def sqlite_site(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return _install(EXAMPLES / "kvhex-sqlite-tier", tmp_path_factory.mktemp("sqlite-site"))
 
 
+@pytest.fixture(scope="session")
+def counting_site(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The worked example transfer, installed as a user would install it."""
+    return _install(EXAMPLES / "kvhex-counting-transfer", tmp_path_factory.mktemp("counting-site"))
+
+
 def _on_path(site: Path) -> Iterator[Path]:
     sys.path.insert(0, str(site))
     try:
@@ -75,3 +91,8 @@ def with_shadow(shadow_site: Path) -> Iterator[Path]:
 @pytest.fixture
 def with_sqlite(sqlite_site: Path) -> Iterator[Path]:
     yield from _on_path(sqlite_site)
+
+
+@pytest.fixture
+def with_counting(counting_site: Path) -> Iterator[Path]:
+    yield from _on_path(counting_site)

@@ -5,7 +5,6 @@ promotions from it, also after a restart on the same file."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import xml.etree.ElementTree as ET
@@ -21,16 +20,9 @@ from kvhex.errors import ConfigError
 from kvhex.plugins import TIERS, Registry
 from kvhex.ports import TierStore
 from kvhex.testing import CrashContract, TierStoreContract
-from tests.plugins.conftest import EXAMPLES
+from tests.plugins.conftest import EXAMPLES, env_with
 
 EXAMPLE = EXAMPLES / "kvhex-sqlite-tier"
-
-
-def _env(site: Path) -> dict[str, str]:
-    """This interpreter's environment with the installed example first on the path, and no
-    bytecode or cache written into the source tree."""
-    path = [str(site), *filter(None, [os.environ.get("PYTHONPATH")])]
-    return {**os.environ, "PYTHONPATH": os.pathsep.join(path), "PYTHONDONTWRITEBYTECODE": "1"}
 
 
 def test_the_examples_own_suite_passes_against_the_installed_distribution(
@@ -40,7 +32,7 @@ def test_the_examples_own_suite_passes_against_the_installed_distribution(
     done = subprocess.run(
         [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", f"--junitxml={report}"],
         cwd=EXAMPLE,  # the example's own pytest settings (filterwarnings = error) apply
-        env=_env(sqlite_site),
+        env=env_with(sqlite_site),
         capture_output=True,
         text=True,
         timeout=300,
@@ -63,7 +55,7 @@ def test_the_examples_own_suite_passes_against_the_installed_distribution(
     imported = subprocess.run(
         [sys.executable, "-c", "import kvhex_sqlite_tier; print(kvhex_sqlite_tier.__file__)"],
         cwd=EXAMPLE,
-        env=_env(sqlite_site),
+        env=env_with(sqlite_site),
         capture_output=True,
         text=True,
         check=True,
@@ -102,7 +94,7 @@ def test_the_registry_finds_loads_and_builds_the_sqlite_tier(
 def _run(site: Path, config: Path) -> dict[str, Any]:
     done = subprocess.run(
         [sys.executable, "-m", "kvhex", "run", "--config", str(config), "--json", "--no-progress"],
-        env=_env(site),
+        env=env_with(site),
         capture_output=True,
         text=True,
         timeout=240,
