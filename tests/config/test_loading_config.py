@@ -59,14 +59,14 @@ def test_the_engine_decides_as_configured_and_auto_is_the_default() -> None:
     default = load_config(tomllib.loads(BASE))
     engine, _ = build_engine(default, host, Registry.discover())
     try:
-        assert engine.manager.loading.mode is LoadMode.AUTO
-        assert engine.manager.loading.prefill.tokens_per_s is None  # measured
+        assert engine.stats().load_mode is LoadMode.AUTO
+        assert engine.stats().prefill_tokens_per_s is None  # measured
     finally:
         engine.shutdown()
     configured = loads_toml(f'{BASE}[loading]\nmode = "off"\nprefill_tokens_per_s = 5000\n')
     engine, _ = build_engine(configured, MemoryHostBuffer(1, 4096), Registry.discover())
     try:
-        assert engine.manager.loading.mode is LoadMode.OFF
-        assert engine.manager.loading.prefill.tokens_per_s == 5000
+        assert engine.stats().load_mode is LoadMode.OFF
+        assert engine.stats().prefill_tokens_per_s == 5000
     finally:
         engine.shutdown()

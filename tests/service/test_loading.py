@@ -7,7 +7,7 @@ from kvhex.domain import LookupResult, LruPolicy, PrimaryTier, ReqContext
 from kvhex.domain.cost import LoadMode, PrefillRate
 from kvhex.service import TieringManager
 from kvhex.service.loading import LoadDecider
-from tests.service.harness import SLOT_BYTES, World, keys
+from tests.service.harness import SLOT_BYTES, World, key, keys
 
 HIT, MISS, PENDING, RETRY = (
     LookupResult.HIT,
@@ -19,14 +19,20 @@ TOKENS = 16.0  # tokens a key saves
 RATE = 1000.0  # prefill tokens per second: a key recomputes in 16 ms
 
 
-def _world(mode: LoadMode, tiers: int = 1, **kwargs: object) -> World:
-    world = World(num_slots=16, tiers=tiers, complete_after_polls=3)  # jobs outlive a lookup
-    loading = LoadDecider(
+def _decider(mode: LoadMode, **kwargs: object) -> LoadDecider:
+    return LoadDecider(
         mode,
         prefill=PrefillRate(configured=RATE),
         tokens_per_key=TOKENS,
         **kwargs,  # type: ignore[arg-type]
     )
+
+
+def _world(
+    mode: LoadMode, tiers: int = 1, *, loading: LoadDecider | None = None, **kwargs: object
+) -> World:
+    world = World(num_slots=16, tiers=tiers, complete_after_polls=3)  # jobs outlive a lookup
+    loading = loading or _decider(mode, **kwargs)
     world.primary = PrimaryTier(16, LruPolicy(16))
     world.manager = TieringManager(world.primary, world.tiers, host=world.host, loading=loading)
     return world
@@ -192,7 +198,8 @@ def test_a_tier_judged_slow_is_loaded_again_now_and_then_to_re_measure_it() -> N
 
 
 def test_real_gets_feed_the_tiers_cost_and_decisions_end_with_the_request() -> None:
-    world = _world(LoadMode.AUTO)
+    loading = _decider(LoadMode.AUTO)
+    world = _world(LoadMode.AUTO, loading=loading)
     _offload(world, [1, 2])
     ctx = ReqContext("r")
     _ask(world, [1, 2], ctx)
@@ -206,10 +213,10 @@ def test_real_gets_feed_the_tiers_cost_and_decisions_end_with_the_request() -> N
     estimate = cost.estimate()
     assert estimate is not None
     assert estimate.seconds(2 * SLOT_BYTES) > 0
-    assert world.manager.loading.decided
+    assert loading.note_tier(key(1), ctx, 0) is HIT  # decided: load it
     world.manager.on_request_finished(ctx)
     world.step()
-    assert not world.manager.loading.decided
+    assert loading.note_tier(key(1), ctx, 0) is RETRY  # forgotten: a new scan
 
 
 def test_off_promotes_at_the_first_lookup_as_before() -> None:

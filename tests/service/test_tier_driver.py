@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
+from typing import Any
 
+import attrs
 import pytest
 import structlog
 
@@ -19,6 +21,7 @@ from kvhex.domain import (
     ReqContext,
     TierJob,
 )
+from kvhex.domain.events import Cleared, Removed, Stored, TierEvent
 from kvhex.service import TierDriver
 from kvhex.service.tier_driver import loaded_keys
 from tests.service.harness import SLOT_BYTES, key, keys, payload
@@ -276,3 +279,57 @@ def test_the_request_lifecycle_reaches_only_a_request_aware_tier() -> None:
     rig.driver.touch(keys(1, 2), rig.ctx)
     rig.driver.on_request_finished(rig.ctx)
     assert rig.store.heard == [("touch", (key(1), key(2))), ("finished", rig.ctx)]
+
+
+class ScriptedEventsTier(MemoryTierStore):
+    """The in-memory tier, announcing the events a test hands it instead of its own."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.script: list[TierEvent] = []
+
+    def take_events(self) -> list[TierEvent]:
+        events, self.script = self.script, []
+        return events
+
+
+def test_the_store_s_events_pass_through_counted_and_other_instances_blocks_never_count() -> None:
+    rig = Rig(ScriptedEventsTier)
+    store = rig.store
+    assert isinstance(store, ScriptedEventsTier)
+    own = rig.driver.identity
+    peers = attrs.evolve(own, ownership="mem@peers")
+    script = [Stored(keys(1, 2, 3), own), Removed(keys(2), own), Stored(keys(7, 8), peers)]
+    store.script = [*script, Removed(keys(1), peers)]
+    assert rig.driver.take_events()[:3] == script
+    stats = rig.driver.stats
+    assert (stats.blocks_stored, stats.blocks_removed, stats.resident_blocks) == (3, 1, 2)
+    store.script = [Cleared(own)]
+    assert rig.driver.take_events() == [Cleared(own)]
+    assert rig.driver.stats.resident_blocks == 0
+    assert rig.driver.take_events() == []
+
+
+def test_drain_close_and_a_snapshot_that_does_not_move_with_the_tier() -> None:
+    rig = Rig()
+    slow = rig.job(JobKind.PUT, [1])
+    rig.store.complete_after_polls = 5
+    assert rig.driver.submit(slow) is None
+    rig.driver.drain()  # finished now; reported by the next poll
+    ((job, result),) = rig.driver.poll()
+    assert job is slow
+    assert result.success
+    snapshot = rig.driver.snapshot(admission_ema_s=0.25)
+    assert (snapshot.name, snapshot.puts_ok, snapshot.admission_ema_s) == ("mem", 1, 0.25)
+    assert (snapshot.used_bytes, snapshot.capacity_bytes) == (SLOT_BYTES, 64 * SLOT_BYTES)
+    assert snapshot.corrupt_blocks is None  # the in-memory tier counts no damage
+    rig.driver.count_dropped(3)
+    rig.driver.count_no_room()
+    rig.store.complete_after_polls = 1
+    rig.run(JobKind.PUT, [2])
+    assert (snapshot.puts_ok, snapshot.keys_dropped, snapshot.put_latency.count) == (1, 0, 1)
+    now = rig.driver.snapshot()
+    assert (now.puts_ok, now.cascades_dropped, now.keys_dropped) == (2, 1, 3)
+    assert now.promotion_slot_failures == 1
+    rig.driver.close()
+    assert rig.driver.submit(rig.job(JobKind.GET, [1])) is not None  # closed: refused

@@ -193,6 +193,8 @@ def test_backpressure_drops_cascades_to_a_slow_tier_and_counts_them() -> None:
     assert slow_stats.cascades_dropped > 0
     assert slow_stats.keys_dropped == slow_stats.cascades_dropped
     assert fast_stats.cascades_dropped == 0
+    assert (slow_stats.admission_ema_s or 0.0) > 1.0  # the latency averages admission saw
+    assert 0.0 < (fast_stats.admission_ema_s or 0.0) < 0.5
     assert len(fast.keys()) == 8
     assert len(slow.keys()) == 8 - slow_stats.cascades_dropped
 
@@ -253,9 +255,11 @@ def test_shutdown_closes_tiers_in_reverse_and_then_the_host_buffer() -> None:
         original = tier.close
         tier.close = lambda o=original, n=tier.identity.ownership: (closed.append(n), o())[1]  # type: ignore[method-assign]
     engine = OffloadEngine(world.manager)
+    assert engine.slot_bytes == SLOT_BYTES
     engine.shutdown()
     assert closed == ["t1", "t0"]
     assert world.host.closed
+    assert engine.slot_bytes == 0  # released
     engine.shutdown()  # idempotent
     assert not engine.has_pending_work()
     with pytest.raises(StateError, match="shut down"):
@@ -274,7 +278,7 @@ def test_a_failed_tier_close_keeps_the_host_buffer_and_reports_the_tier() -> Non
         engine.shutdown()
     assert "disk gone" in str(info.value)
     assert not world.host.closed
-    assert world.manager.host is world.host
+    assert engine.slot_bytes == SLOT_BYTES  # still held: a failed tier may write into it
 
 
 def test_store_threshold_is_refused_with_secondary_tiers() -> None:

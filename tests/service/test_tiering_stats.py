@@ -1,18 +1,24 @@
 """The counters metrics read: lookups per tier, promotion origins, announced blocks, job
-latencies, occupancy and the event pipeline's counts."""
+latencies, occupancy, damage, admission and the event pipeline's counts, all through the
+engine's ``stats()``."""
 
 from __future__ import annotations
 
-import attrs
-
-from kvhex.domain import JobKind, LookupResult, ReqContext
-from kvhex.domain.events import Cleared, Removed, Stored
+from kvhex.adapters.memory import MemoryEventSink, MemoryTierStore
+from kvhex.domain import JobKind, JobResult, LookupResult, ReqContext, TierJob
+from kvhex.domain.cost import LoadMode
+from kvhex.domain.events import BlockStored
+from kvhex.domain.geometry import KvGeometry, KvGroup
 from kvhex.domain.histogram import Histogram
+from kvhex.domain.tiers import Medium
 from kvhex.ports.tier_store import Occupancy
-from kvhex.service import EventPipeline, OffloadEngine
-from kvhex.service.tier_driver import TierStats
-from kvhex.service.tiering import _count_events
+from kvhex.service import EventPipeline, OffloadEngine, TieringManager
+from kvhex.service.loading import LoadDecider
+from tests.domain.requests import chunk_key, make_request
 from tests.service.harness import SLOT_BYTES, World, key, keys
+
+GROUP = KvGroup(0, tokens_per_block=4, blocks_per_chunk=2)
+GEO = KvGeometry((GROUP,), tokens_per_hash=4)
 
 HIT, MISS, PENDING, RETRY = (
     LookupResult.HIT,
@@ -109,26 +115,52 @@ def test_announced_blocks_latencies_and_occupancy_reach_the_snapshot() -> None:
     assert snapshot.put_latency.count == 2  # a snapshot does not move with the tier
 
 
-def test_the_driver_reports_each_finished_job_to_its_observer() -> None:
-    world = World(num_slots=4, tiers=1)
-    seen: list[tuple[JobKind, bool, int, float]] = []
-    driver = world.manager._tiers[0].driver
-    driver.on_job = lambda job, result, s: seen.append((job.kind, result.success, len(job.keys), s))
+def test_the_engine_reports_each_finished_job_to_its_observer_with_the_tier_index() -> None:
+    world = World(num_slots=4, tiers=2)
+    engine = OffloadEngine(world.manager)
+    seen: list[tuple[int, JobKind, bool, int, float]] = []
+
+    def observe(tier: int, job: TierJob, result: JobResult, seconds: float) -> None:
+        seen.append((tier, job.kind, result.success, len(job.keys), seconds))
+
+    engine.observe_jobs(observe)
     world.store([1, 2], ReqContext("a"))
     _drain(world)
-    assert [(k, ok, n) for k, ok, n, _ in seen] == [(JobKind.PUT, True, 2)]
-    assert seen[0][3] >= 0
+    assert sorted(s[:4] for s in seen) == [(0, JobKind.PUT, True, 2), (1, JobKind.PUT, True, 2)]
+    assert all(s[4] >= 0 for s in seen)
 
 
-def test_a_clear_zeroes_the_resident_count_and_other_instances_blocks_never_count() -> None:
-    stats = TierStats("t")
-    tier_id = World(tiers=1).tiers[0].identity
-    peers = attrs.evolve(tier_id, ownership="t@peers")
-    _count_events(stats, [Stored(keys(1, 2, 3), tier_id), Removed(keys(2), tier_id)], tier_id)
-    _count_events(stats, [Stored(keys(7, 8), peers), Removed(keys(1), peers)], tier_id)
-    assert (stats.blocks_stored, stats.blocks_removed, stats.resident_blocks) == (3, 1, 2)
-    _count_events(stats, [Cleared(tier_id)], tier_id)
-    assert stats.resident_blocks == 0
+def test_each_tier_names_its_medium_and_an_uncounted_damage_is_none() -> None:
+    world = World(tiers=1)
+    tier = OffloadEngine(world.manager).stats().tiers[0]
+    assert (tier.name, tier.medium) == ("mem0", Medium.STORAGE)
+    assert (tier.corrupt_blocks, tier.lost_blocks, tier.io_errors) == (None, None, None)
+    assert tier.admission_ema_s is None  # admits every cascade: no latency average
+
+
+def test_a_tiers_damage_counts_reach_the_snapshot() -> None:
+    class Checking(MemoryTierStore):
+        """An in-memory tier that counts damage as a ``TierHealth`` tier does."""
+
+        corrupt_blocks = 2
+        lost_blocks = 3
+        io_errors = 1
+
+    world = World(tiers=0)
+    tier = Checking(world.host, capacity_bytes=SLOT_BYTES, name="checked")
+    manager = TieringManager(world.primary, [tier], host=world.host)
+    stats = OffloadEngine(manager).stats().tiers[0]
+    assert (stats.corrupt_blocks, stats.lost_blocks, stats.io_errors) == (2, 3, 1)
+
+
+def test_load_mode_and_prefill_speed_are_in_the_snapshot_and_set_through_the_engine() -> None:
+    world = World(tiers=1)
+    loading = LoadDecider(LoadMode.AUTO, tokens_per_key=16.0)
+    engine = OffloadEngine(TieringManager(world.primary, world.tiers, loading=loading))
+    assert (engine.stats().load_mode, engine.stats().prefill_tokens_per_s) == (LoadMode.AUTO, None)
+    engine.set_load_mode(LoadMode.OFF)
+    engine.observe_prefill(4000, 2.0)
+    assert (engine.stats().load_mode, engine.stats().prefill_tokens_per_s) == (LoadMode.OFF, 2000)
 
 
 def test_the_pipeline_counts_events_by_type_and_medium_and_batches_per_sink() -> None:
@@ -165,6 +197,36 @@ def test_the_pipeline_counts_events_by_type_and_medium_and_batches_per_sink() ->
     assert pipeline.sink_batches == [len(keeping.batches), 0]
     assert pipeline.sink_failures == [0, len(keeping.batches)]
     assert keeping.batches
+    events = engine.stats().events
+    assert events.published == counts
+    assert [(s.name, s.batches_sent, s.batches_dropped) for s in events.sinks] == [
+        ("Keeping", len(keeping.batches), 0),
+        ("Refusing", 0, len(keeping.batches)),
+    ]
+    assert (events.batches_published, events.publish_failures) == (len(keeping.batches),) * 2
+    # no geometry: the engine cannot describe any store in full
+    assert (events.full_stores, events.placeholder_stores) == (0, 8)
+
+
+def test_full_and_placeholder_stores_are_counted_and_a_sink_added_later_hears_next() -> None:
+    world = World(num_slots=4, tiers=0)
+    engine = OffloadEngine(world.manager)
+    engine.set_geometry(GEO)
+    world.store([1], ReqContext("external"))  # no tokens to describe it with
+    engine.take_events()
+    sink = MemoryEventSink()
+    engine.add_sink(sink)
+    described = make_request("a", list(range(16)), GEO)
+    chunks = [chunk_key(described, c, GROUP) for c in range(2)]
+    plan = engine.prepare_store(chunks, described)
+    assert plan is not None
+    engine.complete_store(plan.keys, described)
+    stored = engine.take_events()
+    assert [type(e) for e in stored] == [BlockStored]  # one chain of both chunks
+    events = engine.stats().events
+    assert (events.full_stores, events.placeholder_stores) == (2, 1)
+    assert [(s.name, s.batches_sent) for s in events.sinks] == [("MemoryEventSink", 1)]
+    assert [e for batch in sink.batches for e in batch.events] == stored
 
 
 def test_histogram_buckets_are_prometheus_cumulative() -> None:

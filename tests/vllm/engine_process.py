@@ -172,7 +172,7 @@ def _held(llm: Any, tokens: list[int]) -> dict[str, Any]:
     from tests.vllm.engine import block_hashes, kvhex_manager, scheduler
 
     manager = kvhex_manager(llm)
-    index, refs = manager.engine.manager.primary.read_view()
+    in_host = set(manager.engine.host_keys())
     (files,) = manager.tier_stores
     cache = scheduler(llm).kv_cache_manager.block_pool.cached_block_hash_to_block._cache
     device = {get_block_hash(k) for k in cache}
@@ -188,7 +188,7 @@ def _held(llm: Any, tokens: list[int]) -> dict[str, Any]:
 
     return {
         "gpu": [h in device for h in hashes],
-        "cpu": [k in index and refs[index[k]] >= 0 for k in keys],
+        "cpu": [k in in_host for k in keys],
         "disk": [k in files for k in keys],
         "root": [on_root(k) for k in keys],
         "own_blocks": len(files.keys()),

@@ -74,8 +74,8 @@ def test_full_provenance_for_host_stores_late_tier_stores_and_promotions(
     manager = connector.connector_scheduler.manager
     assert isinstance(manager, KvhexOffloadingManager)
     sink = MemoryEventSink()
-    manager.engine.pipeline.sinks.append(sink)
-    host = manager.engine.manager.host
+    manager.engine.add_sink(sink)
+    host = manager.host
     assert host is not None
     driver = Driver(connector)
 

@@ -66,12 +66,11 @@ def held_now(llm: Any) -> dict[str, list[int]]:
     from vllm.v1.core.kv_cache_utils import get_block_hash
 
     manager = kvhex_manager(llm)
-    index, refs = manager.engine.manager.primary.read_view()
     (files,) = manager.tier_stores
     device = scheduler(llm).kv_cache_manager.block_pool.cached_block_hash_to_block._cache
     return {
         "gpu": [int64(get_block_hash(k)) for k in device],
-        "cpu": [int64(k[:-4]) for k, slot in index.items() if refs[slot] >= 0],
+        "cpu": [int64(k[:-4]) for k in manager.engine.host_keys()],
         "disk": [int64(k[:-4]) for k in files.keys()],  # noqa: SIM118 (a tier, no mapping)
     }
 

@@ -75,7 +75,7 @@ def test_a_workload_reports_vllms_metrics_and_the_real_hit_sources(
 ) -> None:
     manager = connector.connector_scheduler.manager
     assert isinstance(manager, KvhexOffloadingManager)
-    host = manager.engine.manager.host
+    host = manager.host
     assert host is not None
     driver = Driver(connector)
     payloads: list[Any] = []

@@ -6,10 +6,20 @@ eviction-policy boundary lives in :mod:`kvhex.domain.policies.base` because the 
 tier itself drives it.
 """
 
+from kvhex.ports.capabilities import Closeable, TierHealth
 from kvhex.ports.event_sink import EventSink
 from kvhex.ports.events import EventSource
 from kvhex.ports.host_buffer import HostBuffer
 from kvhex.ports.tier_store import RequestAware, TierStore
 from kvhex.ports.transfer import BlockTransfer
 
-__all__ = ["BlockTransfer", "EventSink", "EventSource", "HostBuffer", "RequestAware", "TierStore"]
+__all__ = [
+    "BlockTransfer",
+    "Closeable",
+    "EventSink",
+    "EventSource",
+    "HostBuffer",
+    "RequestAware",
+    "TierHealth",
+    "TierStore",
+]

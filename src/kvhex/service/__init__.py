@@ -2,14 +2,20 @@
 
 from kvhex.service.engine import OffloadEngine
 from kvhex.service.events import EventPipeline
+from kvhex.service.loading import LoadDecider
 from kvhex.service.probes import ProbeCache
-from kvhex.service.tier_driver import TierDriver, TierStats
-from kvhex.service.tiering import TieringManager, TieringStats
+from kvhex.service.stats import EventStats, LoadStats, SinkStats, TieringStats, TierStats
+from kvhex.service.tier_driver import TierDriver
+from kvhex.service.tiering import TieringManager
 
 __all__ = [
     "EventPipeline",
+    "EventStats",
+    "LoadDecider",
+    "LoadStats",
     "OffloadEngine",
     "ProbeCache",
+    "SinkStats",
     "TierDriver",
     "TierStats",
     "TieringManager",

@@ -5,23 +5,32 @@ complete_load, prepare_store, complete_store, on_new_request, on_request_finishe
 on_schedule_end, take_events, has_pending_work, reset, shutdown, stats), so an engine adapter
 is a thin translation. It owns the lifecycle: after ``shutdown`` every call raises
 ``StateError`` instead of touching released host memory.
+
+It is closed: callers never reach the tiering manager or the event pipeline behind it. What
+they read is in ``stats()`` (every tier's counters, the events published); what they tune or
+observe has a method of its own (``set_geometry``, ``set_load_mode``, ``observe_prefill``,
+``observe_jobs``, ``add_sink``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 
 from kvhex.domain.announce import Announcer
+from kvhex.domain.cost import LoadMode
 from kvhex.domain.events import PublicEvent, TierEvent
 from kvhex.domain.geometry import KvGeometry
+from kvhex.domain.jobs import JobResult, TierJob
 from kvhex.domain.keys import OffloadKey
 from kvhex.domain.primary import StorePlan
 from kvhex.domain.request import ReqContext
 from kvhex.domain.tiers import LookupResult, OffloadPolicy, TierIdentity
 from kvhex.errors import StateError
+from kvhex.ports.event_sink import EventSink
 from kvhex.ports.tier_store import TierStore, tier_identities
 from kvhex.service.events import EventPipeline
-from kvhex.service.tiering import TieringManager, TieringStats
+from kvhex.service.stats import TieringStats
+from kvhex.service.tiering import TieringManager
 
 __all__ = ["OffloadEngine", "announcer_for"]
 
@@ -79,7 +88,7 @@ class OffloadEngine:
         manager = self._live("lookup")
         if promote:
             return manager.lookup(key, ctx)
-        return manager.primary.lookup(key)
+        return manager.lookup_host(key)
 
     def load_source(self, key: OffloadKey, ctx: ReqContext) -> TierIdentity | None:
         """The secondary tier a ``HIT`` of ``key`` for ``ctx`` was promoted from, ``None``
@@ -141,16 +150,40 @@ class OffloadEngine:
     def set_geometry(self, geometry: KvGeometry | None) -> None:
         """Describe full events with ``geometry`` (the model's KV groups) from now on; load
         decisions count the tokens a key saves from it."""
-        self._pipeline.translator.geometry = geometry
-        if geometry is not None and geometry.groups:
-            groups = geometry.groups
-            chunk_tokens = sum(g.tokens_per_block * g.blocks_per_chunk for g in groups)
-            self._manager.loading.tokens_per_key = chunk_tokens / len(groups) ** 2
+        self._pipeline.set_geometry(geometry)
+        self._manager.set_geometry(geometry)
 
     def observe_prefill(self, tokens: int, seconds: float) -> None:
         """The host engine computed ``tokens`` tokens in ``seconds`` (one step): the prefill
         speed load decisions compare loads with."""
         self._manager.observe_prefill(tokens, seconds)
+
+    def set_load_mode(self, mode: LoadMode) -> None:
+        """Decide secondary-tier hits as ``mode`` says from now on (``OFF``: promote every
+        hit at its first lookup); decisions already taken for active requests stand."""
+        self._manager.set_load_mode(mode)
+
+    def observe_jobs(self, observer: Callable[[int, TierJob, JobResult, float], None]) -> None:
+        """Call ``observer(tier_index, job, result, latency_s)`` for every put and get a
+        secondary tier finishes from now on (``tier_index`` as in ``stats().tiers``; latency:
+        submission to the result reaching the engine). One observer; a second call replaces
+        the first."""
+        self._manager.observe_jobs(observer)
+
+    def add_sink(self, sink: EventSink) -> None:
+        """Publish every later step's batch to ``sink`` too (closed at shutdown)."""
+        self._pipeline.add_sink(sink)
+
+    @property
+    def slot_bytes(self) -> int:
+        """Bytes per host slot (one chunk of every layer and group); 0 without a host
+        buffer, or once a clean shutdown released it."""
+        return self._manager.slot_bytes
+
+    def host_keys(self) -> list[OffloadKey]:
+        """The keys host memory holds readable now (not being written), in no order: what
+        a ``lookup`` would answer ``HIT`` from host memory; for operators and tests."""
+        return self._live("host_keys").host_keys()
 
     @property
     def has_secondary_tiers(self) -> bool:
@@ -178,20 +211,10 @@ class OffloadEngine:
         self._pipeline.close()
 
     def stats(self) -> TieringStats:
-        """Counters of the host tier and every secondary tier."""
-        return self._manager.stats()
+        """Counters of the host tier, every secondary tier and the events published."""
+        return self._manager.stats(self._pipeline.stats())
 
     @property
     def announcer(self) -> Announcer:
         """Orders and relabels the tiers' events before they are announced."""
         return self._announcer
-
-    @property
-    def pipeline(self) -> EventPipeline:
-        """The event pipeline (translator and sinks)."""
-        return self._pipeline
-
-    @property
-    def manager(self) -> TieringManager:
-        """The tiering manager behind the facade."""
-        return self._manager

@@ -8,8 +8,10 @@ from collections.abc import Callable, Sequence
 import structlog
 
 from kvhex.domain.events import EventBatch, PublicEvent, TierEvent
+from kvhex.domain.geometry import KvGeometry
 from kvhex.domain.translate import EventTranslator
 from kvhex.ports.event_sink import EventSink
+from kvhex.service.stats import EventStats, SinkStats
 
 __all__ = ["EventPipeline"]
 
@@ -56,7 +58,7 @@ class EventPipeline:
             counts[kind] = counts.get(kind, 0) + 1
         if events and self.sinks:
             batch = EventBatch(self._clock(), events, self._rank)
-            if len(self.sink_batches) < len(self.sinks):  # sinks added after construction
+            if len(self.sink_batches) < len(self.sinks):  # sinks appended to the list
                 grow = len(self.sinks) - len(self.sink_batches)
                 self.sink_batches += [0] * grow
                 self.sink_failures += [0] * grow
@@ -72,6 +74,31 @@ class EventPipeline:
                     )
             self.batches_published += 1
         return events
+
+    def set_geometry(self, geometry: KvGeometry | None) -> None:
+        """Describe full events with ``geometry`` (the model's KV groups) from now on."""
+        self.translator.geometry = geometry
+
+    def add_sink(self, sink: EventSink) -> None:
+        """Publish to ``sink`` too, from the next batch on (closed with the others)."""
+        self.sinks.append(sink)
+
+    def stats(self) -> EventStats:
+        """A copy of the counts, the translator's included."""
+        translator = self.translator
+        sent, dropped = list(self.sink_batches), list(self.sink_failures)
+        sinks = tuple(
+            SinkStats(type(sink).__name__, *((sent[i], dropped[i]) if i < len(sent) else (0, 0)))
+            for i, sink in enumerate(list(self.sinks))
+        )
+        return EventStats(
+            dict(self.events_published),
+            self.batches_published,
+            self.publish_failures,
+            sinks,
+            translator.full_stores,
+            translator.placeholder_stores,
+        )
 
     def close(self) -> None:
         """Close every sink; failures are logged, not raised."""

@@ -13,41 +13,29 @@ Estimates: each tier's ``TierCost`` (its driver fits every finished get), the en
 ``PrefillRate`` (measured by the host engine's adapter, or configured). A tier judged too
 slow would never be measured again, so every ``explore_every``-th plan that recomputes a
 tier's chunks loads them instead (counted as ``explored``).
+
+The decider keeps the scans and the decisions; its owner (``TieringManager``) reports each
+lookup (``note_host``, ``note_tier``, ``close_scan``) and starts the promotions ``plan``
+returns. Threading: the scheduler thread only; nothing blocks.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from types import MappingProxyType
 
 import attrs
 
 from kvhex.domain.cost import LoadMode, LoadPlan, PrefillRate, TierEstimate, plan_fixed, plan_load
+from kvhex.domain.geometry import KvGeometry
 from kvhex.domain.keys import OffloadKey
 from kvhex.domain.request import ReqContext
+from kvhex.domain.tiers import LookupResult
+from kvhex.service.stats import LoadStats
 
-__all__ = ["LoadDecider", "LoadStats", "Scan"]
+__all__ = ["LoadDecider", "Scan"]
 
-
-@attrs.define
-class LoadStats:
-    """Cumulative decisions (one per complete scan that held secondary-tier chunks)."""
-
-    loaded_all: int = 0
-    """Plans that loaded every matched chunk."""
-    loaded_part: int = 0
-    """Plans that loaded a leading part and recomputed the rest."""
-    recomputed: int = 0
-    """Plans that loaded no secondary-tier chunk."""
-    explored: int = 0
-    """Plans that loaded although the estimate said recompute (to re-measure the tier)."""
-    chunks_loaded: int = 0
-    """Secondary-tier chunks chosen for loading."""
-    chunks_recomputed: int = 0
-    """Secondary-tier chunks left to the engine to recompute."""
-    last_load_s: float = 0.0
-    """The latest plan's estimated load seconds."""
-    last_recompute_s: float = 0.0
-    """The latest plan's estimated recompute seconds for the same chunks."""
+_HIT, _MISS, _RETRY = LookupResult.HIT, LookupResult.MISS, LookupResult.RETRY
 
 
 @attrs.define(eq=False)
@@ -100,14 +88,82 @@ class LoadDecider:
         self.tokens_per_key = tokens_per_key
         self.explore_every = explore_every
         self.stats = LoadStats()
-        self.scans: dict[ReqContext, Scan] = {}
-        self.decided: dict[ReqContext, dict[OffloadKey, bool]] = {}
+        self._scans: dict[ReqContext, Scan] = {}
+        self._decided: dict[ReqContext, dict[OffloadKey, bool]] = {}
         self._recomputes: dict[int, int] = {}
+        self.open_scans: Mapping[ReqContext, Scan] = MappingProxyType(self._scans)
+        """The scans open this step, read-only and live: empty while no request's lookup
+        met a secondary-tier hit (the owner's host hits test it before ``note_host``)."""
 
     @property
     def active(self) -> bool:
         """Whether lookups go through scans (any mode but ``OFF``)."""
         return self.mode is not LoadMode.OFF
+
+    def set_mode(self, mode: LoadMode) -> None:
+        """Decide as ``mode`` says from now on; the scans open this step go (decisions
+        already taken for active requests stand)."""
+        self.mode = mode
+        self._scans.clear()
+
+    def set_geometry(self, geometry: KvGeometry | None) -> None:
+        """Count the tokens a key saves from ``geometry`` (the model's KV groups: a chunk's
+        tokens divided by the groups sharing them); ``None`` or no groups changes nothing."""
+        if geometry is not None and geometry.groups:
+            groups = geometry.groups
+            chunk_tokens = sum(g.tokens_per_block * g.blocks_per_chunk for g in groups)
+            self.tokens_per_key = chunk_tokens / len(groups) ** 2
+
+    def observe_prefill(self, tokens: int, seconds: float) -> None:
+        """The engine computed ``tokens`` tokens in ``seconds`` (one step)."""
+        self.prefill.observe(tokens, seconds)
+
+    # -- the step's scans (the owner reports each lookup) ---------------------------------
+    def note_host(self, key: OffloadKey, ctx: ReqContext) -> None:
+        """``ctx``'s lookup found ``key`` in host memory: part of its open scan, if any."""
+        if (scan := self._scans.get(ctx)) is not None:
+            scan.add(key, None)
+
+    def note_tier(self, key: OffloadKey, ctx: ReqContext, tier: int) -> LookupResult:
+        """Secondary tier ``tier`` holds ``key`` for ``ctx``: ``HIT`` when ``ctx`` decided to
+        load it (promote it now), ``MISS`` when it decided to recompute it, else ``RETRY``:
+        the key joined ``ctx``'s scan, to be planned at step end."""
+        decided = self._decided.get(ctx)
+        if decided is not None and key in decided:
+            return _HIT if decided[key] else _MISS
+        if (scan := self._scans.get(ctx)) is None:
+            scan = self._scans[ctx] = Scan()
+        scan.add(key, tier)
+        return _RETRY
+
+    def close_scan(self, ctx: ReqContext, *, probing: bool) -> None:
+        """No tier holds the key ``ctx`` looked up: with a tier still ``probing`` it, the
+        scan cannot be planned this step; otherwise the prefix ends there."""
+        if (scan := self._scans.get(ctx)) is not None:
+            if probing:
+                scan.complete = False
+            else:
+                scan.closed = True
+
+    def plan_scans(
+        self, estimates: Sequence[TierEstimate | None], bytes_per_key: int
+    ) -> list[tuple[ReqContext, OffloadKey, int]]:
+        """Step end: plan every complete scan (the others wait for a later step), remember
+        what it decided, and close every scan. Returns the promotions to start, as (request,
+        key, tier), in scan order."""
+        promotions = []
+        for ctx, scan in self._scans.items():
+            if not scan.complete:
+                continue  # a tier is still probing part of it: the next step's scan
+            cut = self.plan(scan, estimates, bytes_per_key)
+            decided = self._decided.setdefault(ctx, {})
+            for i, (key, tier) in enumerate(zip(scan.keys, scan.tiers, strict=True)):
+                if tier is not None:
+                    decided[key] = i < cut
+                    if i < cut:
+                        promotions.append((ctx, key, tier))
+        self._scans.clear()
+        return promotions
 
     def plan(
         self,
@@ -162,13 +218,13 @@ class LoadDecider:
 
     def forget(self, ctx: ReqContext) -> None:
         """``ctx`` is done: drop its scan and decisions."""
-        self.scans.pop(ctx, None)
-        self.decided.pop(ctx, None)
+        self._scans.pop(ctx, None)
+        self._decided.pop(ctx, None)
 
     def clear(self) -> None:
         """A reset: every scan and decision goes (the chunks they named may be gone)."""
-        self.scans.clear()
-        self.decided.clear()
+        self._scans.clear()
+        self._decided.clear()
 
     def snapshot(self) -> LoadStats:
         """A copy of the counters."""

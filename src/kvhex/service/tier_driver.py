@@ -6,15 +6,17 @@ once: the jobs in flight and when they were submitted, the existence probes (``P
 the keys whose get failed ("missing": never promoted from this tier again until a put stores
 them, so a lost block cannot loop through promotion, vLLM #49176), the tier's counters, and
 the store's faults (a submission or a poll that raises). It also passes the request lifecycle
-to a ``RequestAware`` tier, when its owner says. The owner applies the host-side effects of
-each finished put and get: unpin, complete a promotion, admission.
+to a ``RequestAware`` tier, when its owner says, and is the owner's only way to the store:
+its events (counted as they pass), ``drain``, ``close`` and the stats ``snapshot`` (with what
+an ``Occupancy`` or ``TierHealth`` store says of itself). The owner applies the host-side
+effects of each finished put and get: unpin, complete a promotion, admission.
 
 Job ids: the owner allocates those of puts and gets; probe ids come from ``probe_ids``
 (kvhex's manager shares one counter across tiers; inside vLLM they are negative, so they never
 meet vLLM's). An id must be unique within one driver while its job is in flight.
 
-Threading: scheduler thread only. Nothing here blocks; ``submit`` and ``poll`` call the store,
-whose contract is not to block either.
+Threading: scheduler thread only. Nothing here blocks but ``drain`` and ``close``; ``submit``
+and ``poll`` call the store, whose contract is not to block either.
 """
 
 from __future__ import annotations
@@ -25,91 +27,23 @@ from collections.abc import Callable, Sequence
 import attrs
 import structlog
 
-from kvhex.domain.cost import TierCost
-from kvhex.domain.histogram import Histogram
+from kvhex.domain.cost import TierCost, TierEstimate
+from kvhex.domain.events import Removed, Stored, TierEvent
 from kvhex.domain.jobs import JobId, JobKind, JobResult, TierJob
 from kvhex.domain.keys import OffloadKey
 from kvhex.domain.request import ReqContext
-from kvhex.domain.tiers import LookupResult
-from kvhex.ports.tier_store import RequestAware, TierStore
+from kvhex.domain.tiers import LookupResult, TierIdentity
+from kvhex.ports.capabilities import TierHealth
+from kvhex.ports.tier_store import Occupancy, RequestAware, TierStore
 from kvhex.service.probes import ProbeCache
+from kvhex.service.stats import TierStats
 
-__all__ = ["TierDriver", "TierStats", "loaded_keys"]
+__all__ = ["TierDriver", "loaded_keys"]
 
 log = structlog.get_logger(__name__)
 
 _PUT, _GET, _PROBE = JobKind.PUT, JobKind.GET, JobKind.PROBE
 _HIT, _MISS = LookupResult.HIT, LookupResult.MISS
-
-
-@attrs.define
-class TierStats:
-    """Cumulative counters of one secondary tier: its driver's, and the few its owner adds
-    (``promotion_slot_failures``, ``cascades_dropped``, ``keys_dropped``)."""
-
-    name: str
-    puts_submitted: int = 0
-    puts_ok: int = 0
-    puts_failed: int = 0
-    keys_put: int = 0
-    gets_submitted: int = 0
-    gets_ok: int = 0
-    gets_failed: int = 0
-    keys_promoted: int = 0
-    keys_failed_to_promote: int = 0
-    promotion_slot_failures: int = 0
-    probes_submitted: int = 0
-    probes_failed: int = 0
-    cascades_dropped: int = 0
-    keys_dropped: int = 0
-    submit_errors: int = 0
-    poll_errors: int = 0
-    bytes_put: int = 0
-    bytes_got: int = 0
-    put_seconds: float = 0.0
-    """Time with at least one put running (jobs overlapping in time count once)."""
-    get_seconds: float = 0.0
-    """Time with at least one get running."""
-    in_flight: int = 0
-    puts_in_flight: int = 0
-    gets_in_flight: int = 0
-    keys_in_flight_put: int = 0
-    """Host slots the puts in flight read (pinned until they finish)."""
-    keys_in_flight_get: int = 0
-    """Host slots the gets (promotions) in flight write."""
-    lookups: int = 0
-    """Lookups that asked this tier (the host tier did not hold the key)."""
-    hits: int = 0
-    """Lookups this tier answered ``HIT`` (each starts a promotion or finds no host room)."""
-    misses: int = 0
-    """Lookups this tier answered ``MISS`` (the rest were ``RETRY``: probe not back yet)."""
-    blocks_stored: int = 0
-    """Keys the tier announced ``Stored`` (adoptions at start-up included)."""
-    blocks_removed: int = 0
-    """Keys the tier announced ``Removed`` (evicted, deleted, lost or found corrupt)."""
-    resident_blocks: int = 0
-    """Keys readable now, by the tier's own events (a ``Cleared`` sets it to 0)."""
-    used_bytes: int | None = None
-    """Bytes held (an ``Occupancy`` tier's answer at the snapshot; ``None``: it does not say)."""
-    capacity_bytes: int | None = None
-    """Bytes the tier may hold (as ``used_bytes``)."""
-    put_latency: Histogram = attrs.field(factory=Histogram)
-    """Seconds from a put's submission to its result reaching the manager."""
-    get_latency: Histogram = attrs.field(factory=Histogram)
-    """Seconds from a get's (promotion's) submission to its result reaching the manager."""
-    _put_until: float = attrs.field(default=0.0, repr=False, eq=False)
-    _get_until: float = attrs.field(default=0.0, repr=False, eq=False)
-
-    def add_busy(self, kind: JobKind, start: float, end: float) -> None:
-        """Add a job that ran from ``start`` to ``end`` to the busy time of its direction,
-        counting only what does not overlap the jobs added before (results arrive about in
-        completion order, so this is the union of the intervals)."""
-        if kind is JobKind.PUT:
-            self.put_seconds += max(0.0, end - max(start, self._put_until))
-            self._put_until = max(self._put_until, end)
-        elif kind is JobKind.GET:
-            self.get_seconds += max(0.0, end - max(start, self._get_until))
-            self._get_until = max(self._get_until, end)
 
 
 def loaded_keys(job: TierJob, result: JobResult) -> tuple[list[OffloadKey], list[OffloadKey]]:
@@ -127,46 +61,84 @@ class TierDriver:
     """Submits one tier's jobs, polls their results and keeps what they teach about the tier."""
 
     __slots__ = (
+        "_health",
         "_hooks",
         "_jobs",
         "_missing",
+        "_occupancy",
         "_probe_ids",
         "_probes",
         "_stats",
         "_store",
         "get_cost",
+        "identity",
         "on_job",
     )
 
     def __init__(self, store: TierStore, name: str, *, probe_ids: Callable[[], JobId]) -> None:
         """Args:
-        store: the tier.
+        store: the tier (from now on driven through this driver only).
         name: the tier's name in stats and logs.
         probe_ids: a new job id for each probe job (never one the owner uses for a put or
             get in flight on this tier).
         """
         self._store = store
         self._hooks = store if isinstance(store, RequestAware) else None
-        self._stats = TierStats(name)
+        self._occupancy = store if isinstance(store, Occupancy) else None
+        self._health = store if isinstance(store, TierHealth) else None
+        self.identity: TierIdentity = store.identity
+        """The tier's identity (read-only; a plain attribute: lookups read it per key)."""
+        self._stats = TierStats(name, self.identity.medium)
         self._probe_ids = probe_ids
         self._jobs: dict[JobId, tuple[TierJob, float]] = {}  # job, submitted (perf_counter)
         self._probes = ProbeCache()
         self._missing: set[OffloadKey] = set()
         self.on_job: Callable[[TierJob, JobResult, float], None] | None = None
+        """Called with each finished put or get, its result and its latency (seconds from
+        submission to the result reaching this driver): the owner's metrics."""
         self.get_cost = TierCost()
         """The tier's gets fitted (latency and throughput, submission to result)."""
-        """Called with each finished put or get, its result and its latency (seconds from
-        submission to the result reaching this driver): the vLLM adapter's metrics."""
 
     @property
-    def store(self) -> TierStore:
-        """The tier (its owner calls ``identity``, ``take_events``, ``drain`` and ``close``)."""
-        return self._store
+    def name(self) -> str:
+        """The tier's name in stats and logs."""
+        return self._stats.name
 
     @property
     def stats(self) -> TierStats:
-        """The live counters (the owner adds its own to them; snapshot with ``attrs.evolve``)."""
+        """The live counters (``snapshot`` for a copy that does not move)."""
         return self._stats
+
+    def snapshot(self, *, admission_ema_s: float | None = None) -> TierStats:
+        """A copy of the counters, with the occupancy and damage counts the store reports
+        now (``Occupancy``, ``TierHealth``) and the owner's ``admission_ema_s``."""
+        stats = self._stats
+        occupancy, health = self._occupancy, self._health
+        return attrs.evolve(
+            stats,
+            put_latency=stats.put_latency.copy(),
+            get_latency=stats.get_latency.copy(),
+            used_bytes=occupancy.used_bytes if occupancy is not None else None,
+            capacity_bytes=occupancy.capacity_bytes if occupancy is not None else None,
+            corrupt_blocks=health.corrupt_blocks if health is not None else None,
+            lost_blocks=health.lost_blocks if health is not None else None,
+            io_errors=health.io_errors if health is not None else None,
+            admission_ema_s=admission_ema_s,
+        )
+
+    def count_dropped(self, n_keys: int) -> None:
+        """The owner's admission policy refused a cascade of ``n_keys`` chunks to this tier."""
+        self._stats.cascades_dropped += 1
+        self._stats.keys_dropped += n_keys
+
+    def count_no_room(self) -> None:
+        """A hit on this tier found no host slot to promote into (the owner answered MISS)."""
+        self._stats.promotion_slot_failures += 1
+
+    def get_estimate(self, slot_bytes: int) -> TierEstimate | None:
+        """The fitted cost of a get submitted now, queued behind the gets in flight
+        (``slot_bytes`` per key they write); ``None`` until a get was measured."""
+        return self.get_cost.estimate(queued_bytes=self._stats.keys_in_flight_get * slot_bytes)
 
     @property
     def in_flight(self) -> int:
@@ -372,3 +344,35 @@ class TierDriver:
     def has_pending_work(self) -> bool:
         """True while jobs are in flight or keys wait for the next probe."""
         return bool(self._jobs) or self._probes.pending
+
+    # -- the store's events and lifecycle (the owner decides when) ------------------------
+    def take_events(self) -> list[TierEvent]:
+        """The store's events since the last call (see ``EventSource``), counted into the
+        stats as they pass: its own keys stored, removed and resident; not the other
+        instances' blocks a ``PeerView`` also announces."""
+        events = self._store.take_events()
+        if events:
+            self._count_events(events)
+        return events
+
+    def _count_events(self, events: list[TierEvent]) -> None:
+        stats, own = self._stats, self.identity
+        for event in events:
+            if event.tier != own:
+                continue
+            if type(event) is Stored:
+                stats.blocks_stored += len(event.keys)
+                stats.resident_blocks += len(event.keys)
+            elif type(event) is Removed:
+                stats.blocks_removed += len(event.keys)
+                stats.resident_blocks = max(0, stats.resident_blocks - len(event.keys))
+            else:
+                stats.resident_blocks = 0
+
+    def drain(self) -> None:
+        """Block until the store finished every job submitted; ``poll`` then reports them."""
+        self._store.drain()
+
+    def close(self) -> None:
+        """Close the store (idempotent; jobs still queued fail). Raises what it raises."""
+        self._store.close()

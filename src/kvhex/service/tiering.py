@@ -6,7 +6,8 @@ secondary tier, the host slots pinned once per tier until that tier's job is pol
 answers ``HIT_PENDING``; at step end one batched get per (tier, request) fills the slots; the
 keys become ``HIT`` once the job is polled. Tiers that cannot answer at once are probed
 asynchronously (``RETRY`` first). Each tier's own bookkeeping (jobs, probes, failed keys,
-counters, faults) is its ``TierDriver``'s; the manager applies the host side of each job.
+counters, faults, its events, drain and close) is its ``TierDriver``'s, and load-or-recompute
+scans are the ``LoadDecider``'s; the manager applies the host side of each job.
 
 Events: the manager builds none. ``take_events`` concatenates the primary tier's events, then
 each secondary tier's, in configured order: each tier owns the events of the storage it owns.
@@ -23,26 +24,28 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Sequence
-from typing import Any
 
 import attrs
 import structlog
 
-from kvhex.domain.backpressure import AdmissionPolicy, AlwaysAdmit
+from kvhex.domain.backpressure import AdmissionPolicy, AlwaysAdmit, EmaBackpressure
 from kvhex.domain.cost import LoadMode
-from kvhex.domain.events import Removed, Stored, TierEvent
+from kvhex.domain.events import TierEvent
+from kvhex.domain.geometry import KvGeometry
 from kvhex.domain.jobs import JobId, JobKind, JobResult, TierJob
 from kvhex.domain.keys import OffloadKey
-from kvhex.domain.primary import PrimaryStats, PrimaryTier, StorePlan
+from kvhex.domain.primary import PrimaryTier, StorePlan
 from kvhex.domain.request import ReqContext
 from kvhex.domain.tiers import LookupResult, OffloadPolicy, TierIdentity
 from kvhex.errors import TierError
+from kvhex.ports.capabilities import Closeable
 from kvhex.ports.host_buffer import HostBuffer
-from kvhex.ports.tier_store import Occupancy, TierStore
-from kvhex.service.loading import LoadDecider, LoadStats, Scan
-from kvhex.service.tier_driver import TierDriver, TierStats, loaded_keys
+from kvhex.ports.tier_store import TierStore
+from kvhex.service.loading import LoadDecider
+from kvhex.service.stats import EventStats, TieringStats
+from kvhex.service.tier_driver import TierDriver, loaded_keys
 
-__all__ = ["TieringManager", "TieringStats"]
+__all__ = ["TieringManager"]
 
 log = structlog.get_logger(__name__)
 
@@ -50,31 +53,10 @@ _HIT, _MISS = LookupResult.HIT, LookupResult.MISS
 _PENDING, _RETRY = LookupResult.HIT_PENDING, LookupResult.RETRY
 
 
-@attrs.frozen
-class TieringStats:
-    """Primary-tier stats and one ``TierStats`` per secondary tier, in order."""
-
-    primary: PrimaryStats
-    tiers: tuple[TierStats, ...]
-    active_requests: int
-    jobs_in_flight: int
-    lookups: int = 0
-    """Lookups asked: ``host_hits`` plus every lookup host memory could not answer ``HIT``."""
-    host_hits: int = 0
-    """Keys answered ``HIT`` from host memory, once per key and step (the scheduler asks
-    again while a request waits; counting in the lookup itself would cost every hit)."""
-    loading: LoadStats = attrs.field(factory=LoadStats)
-    """Load-or-recompute decisions."""
-    prefill_tokens_per_s: float | None = None
-    """The engine's prefill speed the decisions use (``None``: not known yet)."""
-
-
 @attrs.define(eq=False)
 class _Tier:
     index: int
-    store: TierStore
     driver: TierDriver
-    stats: TierStats
     admission: AdmissionPolicy
     promotions: dict[ReqContext, tuple[list[OffloadKey], list[int]]] = attrs.field(factory=dict)
     """This step's promotions (keys, reserved slots) per request, sent at step end."""
@@ -117,16 +99,17 @@ class TieringManager:
         make_admission = admission or (lambda _i: AlwaysAdmit())
         self._primary = primary
         self._host = host
+        self._stores = tuple(tiers)
         self._next_job = 0
         self._tiers: list[_Tier] = []
         for i, store in enumerate(tiers):
             name = names[i] if names else (store.identity.ownership or f"tier{i}")
             driver = TierDriver(store, name, probe_ids=self._new_job_id)
-            self._tiers.append(_Tier(i, store, driver, driver.stats, make_admission(i)))
+            self._tiers.append(_Tier(i, driver, make_admission(i)))
         self._origins: dict[ReqContext, dict[OffloadKey, _Tier]] = {}
         self._loading = loading or LoadDecider(LoadMode.OFF)
         self._scanning = self._loading.active and bool(self._tiers)
-        self._scans = self._loading.scans  # the same dict, never rebound
+        self._scans = self._loading.open_scans  # read-only, live: tested per host hit
         self._host_hits = 0  # up to the last step end (this step's: _hits_this_step)
         self._host_misses = 0
         self._requests: dict[ReqContext, _Request] = {}
@@ -150,7 +133,7 @@ class TieringManager:
             return self._primary.lookup(key)  # raises the typed InvalidKeyError
         if slot is not None:
             if self._scans:  # a request's scan is open (load decisions): note the key
-                self._scan_host(key, ctx)
+                self._loading.note_host(key, ctx)
             if self._refs[slot] < 0:
                 self._host_misses += 1
                 return _PENDING
@@ -164,62 +147,31 @@ class TieringManager:
         retry = False
         allows = ctx.tier_filter.allows
         for tier in self._tiers:
-            identity = tier.store.identity
+            identity = tier.driver.identity
             if not allows(identity.medium, identity.locality):
                 continue
             answer = tier.driver.lookup(key, ctx)
             if answer is _HIT:
-                promote = self._scan_tier if self._scanning else self._start_promotion
-                return promote(tier, key, ctx)
+                if self._scanning:  # load decisions: as decided, or planned at step end
+                    answer = self._loading.note_tier(key, ctx, tier.index)
+                return self._start_promotion(tier, key, ctx) if answer is _HIT else answer
             if answer is _RETRY:
                 retry = True
-        if self._scanning and (scan := self._loading.scans.get(ctx)) is not None:
-            if retry:
-                scan.complete = False
-            else:
-                scan.closed = True
+        if self._scanning:
+            self._loading.close_scan(ctx, probing=retry)
         return _RETRY if retry else _MISS
 
-    def _scan_host(self, key: OffloadKey, ctx: ReqContext) -> None:
-        if (scan := self._loading.scans.get(ctx)) is not None:
-            scan.add(key, None)
-
-    def _scan_tier(self, tier: _Tier, key: OffloadKey, ctx: ReqContext) -> LookupResult:
-        """A secondary hit with load decisions on: as decided for this request, or joined to
-        its scan (``RETRY``) to be planned at step end."""
-        decided = self._loading.decided.get(ctx)
-        if decided is not None and key in decided:
-            return self._start_promotion(tier, key, ctx) if decided[key] else _MISS
-        scans = self._loading.scans
-        if (scan := scans.get(ctx)) is None:
-            scan = scans[ctx] = Scan()
-        scan.add(key, tier.index)
-        return _RETRY
-
     def _plan_scans(self) -> None:
-        """Step end: plan every complete scan; promote what it loads, refuse the rest."""
-        slot_bytes = self._host.slot_bytes if self._host is not None else 0
-        estimates = [
-            t.driver.get_cost.estimate(queued_bytes=t.stats.keys_in_flight_get * slot_bytes)
-            for t in self._tiers
-        ]
-        loading = self._loading
-        for ctx, scan in loading.scans.items():
-            if not scan.complete:
-                continue  # a tier is still probing part of it: the next step's scan
-            cut = loading.plan(scan, estimates, slot_bytes)
-            decided = loading.decided.setdefault(ctx, {})
-            for i, (key, index) in enumerate(zip(scan.keys, scan.tiers, strict=True)):
-                if index is not None:
-                    decided[key] = i < cut
-                    if i < cut:
-                        self._start_promotion(self._tiers[index], key, ctx)
-        loading.scans.clear()
+        """Step end: plan every complete scan; promote what it loads (the rest is refused)."""
+        slot_bytes = self.slot_bytes
+        estimates = [t.driver.get_estimate(slot_bytes) for t in self._tiers]
+        for ctx, key, index in self._loading.plan_scans(estimates, slot_bytes):
+            self._start_promotion(self._tiers[index], key, ctx)
 
     def _start_promotion(self, tier: _Tier, key: OffloadKey, ctx: ReqContext) -> LookupResult:
         plan = self._primary.prepare_store([key], ctx, protect=self._hits_this_step)
         if plan is None or not plan.keys:
-            tier.stats.promotion_slot_failures += 1
+            tier.driver.count_no_room()
             return _MISS
         keys, slots = tier.promotions.setdefault(ctx, ([], []))
         keys.append(key)
@@ -235,7 +187,16 @@ class TieringManager:
         the promotion failed. Known until the request is finalized or the engine reset."""
         origins = self._origins.get(ctx)
         tier = origins.get(key) if origins is not None else None
-        return tier.store.identity if tier is not None else None
+        return tier.driver.identity if tier is not None else None
+
+    def lookup_host(self, key: OffloadKey) -> LookupResult:
+        """``key`` in host memory alone (no tier asked, no promotion, nothing counted)."""
+        return self._primary.lookup(key)
+
+    def host_keys(self) -> list[OffloadKey]:
+        """The keys host memory holds readable now (not being written), in no order."""
+        index, refs = self._primary.read_view()
+        return [key for key, slot in index.items() if refs[slot] >= 0]
 
     # -- loads to the device (delegated) -------------------------------------------------
     def prepare_load(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> list[int]:
@@ -295,8 +256,7 @@ class TieringManager:
             if tier.admission.admit(n_keys):
                 admitted.append(tier)
             else:
-                tier.stats.cascades_dropped += 1
-                tier.stats.keys_dropped += n_keys
+                tier.driver.count_dropped(n_keys)
         return admitted
 
     def _cascade_present(self, request: _Request, keys: Sequence[OffloadKey]) -> None:
@@ -368,7 +328,7 @@ class TieringManager:
         if not self._polled:
             self._poll()
         self._polled = False
-        if self._loading.scans:
+        if self._scans:
             self._plan_scans()
         self._host_hits += len(self._hits_this_step)
         self._hits_this_step.clear()
@@ -410,8 +370,7 @@ class TieringManager:
         """The primary tier's events, then each secondary tier's, in configured order."""
         events = self._primary.take_events()
         for tier in self._tiers:
-            if taken := tier.store.take_events():
-                _count_events(tier.stats, taken, tier.store.identity)
+            if taken := tier.driver.take_events():
                 events.extend(taken)
         return events
 
@@ -430,10 +389,10 @@ class TieringManager:
         finished, the engine must keep promotions out of freed slots.
         """
         for tier in self._tiers:
-            tier.store.drain()
+            tier.driver.drain()
         self._poll()
         if unreported := sum(t.driver.in_flight for t in self._tiers):
-            names = ",".join(sorted(t.stats.name for t in self._tiers if t.driver.in_flight))
+            names = ",".join(sorted(t.driver.name for t in self._tiers if t.driver.in_flight))
             raise TierError(f"{unreported} jobs still unreported after drain", tier=names)
         host = self._primary.stats()  # tiers drained: every pin left is a device load's
         reserved = sum(len(keys) for t in self._tiers for keys, _ in t.promotions.values())
@@ -462,24 +421,19 @@ class TieringManager:
         failed: list[tuple[str, str]] = []
         for tier in reversed(self._tiers):
             try:
-                tier.store.close()
+                tier.driver.close()
             except Exception as exc:
-                failed.append((tier.stats.name, repr(exc)))
-                log.error("tier_close_failed", tier=tier.stats.name, error=repr(exc))
+                failed.append((tier.driver.name, repr(exc)))
+                log.error("tier_close_failed", tier=tier.driver.name, error=repr(exc))
         if failed:
             detail = "; ".join(f"{name}: {error}" for name, error in failed)
             names = ",".join(name for name, _ in failed)
             raise TierError(f"shutdown failed; host buffer kept: {detail}", tier=names)
         self._closed = True
-        close: Any = getattr(self._host, "close", None)
+        host: object = self._host  # any buffer may hold memory to give back: ask it
         self._host = None
-        if callable(close):
-            close()
-
-    @property
-    def host(self) -> HostBuffer | None:
-        """The host buffer, until a clean shutdown released it."""
-        return self._host
+        if isinstance(host, Closeable):
+            host.close()
 
     def observe_jobs(self, observer: Callable[[int, TierJob, JobResult, float], None]) -> None:
         """Call ``observer(tier_index, job, result, latency_s)`` for every put and get a
@@ -488,41 +442,37 @@ class TieringManager:
         for tier in self._tiers:
             tier.driver.on_job = functools.partial(observer, tier.index)
 
-    def admission_policies(self) -> tuple[AdmissionPolicy, ...]:
-        """Each secondary tier's admission policy, in lookup order."""
-        return tuple(t.admission for t in self._tiers)
-
     @property
-    def loading(self) -> LoadDecider:
-        """The load-or-recompute decisions (mode, prefill speed, tokens per key)."""
-        return self._loading
+    def slot_bytes(self) -> int:
+        """Bytes per host slot (one chunk); 0 without a host buffer."""
+        return self._host.slot_bytes if self._host is not None else 0
 
     def set_load_mode(self, mode: LoadMode) -> None:
         """Switch load-or-recompute decisions (``OFF`` promotes every hit at its first
         lookup); decisions already taken for active requests stand."""
-        self._loading.mode = mode
-        self._loading.scans.clear()
+        self._loading.set_mode(mode)
         self._scanning = self._loading.active and bool(self._tiers)
+
+    def set_geometry(self, geometry: KvGeometry | None) -> None:
+        """Load decisions count the tokens a key saves from ``geometry`` from now on."""
+        self._loading.set_geometry(geometry)
 
     def observe_prefill(self, tokens: int, seconds: float) -> None:
         """The host engine computed ``tokens`` tokens in ``seconds`` (one step)."""
-        self._loading.prefill.observe(tokens, seconds)
+        self._loading.observe_prefill(tokens, seconds)
 
     @property
     def tier_stores(self) -> tuple[TierStore, ...]:
         """The secondary tiers, in lookup order (the same order as ``stats().tiers``)."""
-        return tuple(t.store for t in self._tiers)
+        return self._stores
 
-    @property
-    def primary(self) -> PrimaryTier:
-        """The host primary tier."""
-        return self._primary
-
-    def stats(self) -> TieringStats:
-        """Snapshot of the primary tier's and every secondary tier's counters."""
-        tiers = tuple(_snapshot(t) for t in self._tiers)
+    def stats(self, events: EventStats | None = None) -> TieringStats:
+        """Snapshot of the primary tier's and every secondary tier's counters (with the
+        event pipeline's ``events`` counts, when the caller has them)."""
+        tiers = tuple(t.driver.snapshot(admission_ema_s=_ema(t.admission)) for t in self._tiers)
         in_flight = sum(t.driver.in_flight for t in self._tiers)
         hits = self._host_hits + len(self._hits_this_step)
+        loading = self._loading
         return TieringStats(
             self._primary.stats(),
             tiers,
@@ -530,36 +480,12 @@ class TieringManager:
             in_flight,
             hits + self._host_misses,
             hits,
-            self._loading.snapshot(),
-            self._loading.prefill.tokens_per_s,
+            loading.snapshot(),
+            loading.prefill.tokens_per_s,
+            loading.mode,
+            events if events is not None else EventStats(),
         )
 
 
-def _snapshot(tier: _Tier) -> TierStats:
-    stats = tier.stats
-    used = capacity = None
-    if isinstance(tier.store, Occupancy):
-        used, capacity = tier.store.used_bytes, tier.store.capacity_bytes
-    return attrs.evolve(
-        stats,
-        put_latency=stats.put_latency.copy(),
-        get_latency=stats.get_latency.copy(),
-        used_bytes=used,
-        capacity_bytes=capacity,
-    )
-
-
-def _count_events(stats: TierStats, events: list[TierEvent], own: TierIdentity) -> None:
-    """A tier's announcements of its own blocks (not of other instances' it also announces,
-    a ``PeerView``'s), counted into its stats (keys stored, removed, resident)."""
-    for event in events:
-        if event.tier != own:
-            continue
-        if type(event) is Stored:
-            stats.blocks_stored += len(event.keys)
-            stats.resident_blocks += len(event.keys)
-        elif type(event) is Removed:
-            stats.blocks_removed += len(event.keys)
-            stats.resident_blocks = max(0, stats.resident_blocks - len(event.keys))
-        else:
-            stats.resident_blocks = 0
+def _ema(admission: AdmissionPolicy) -> float | None:
+    return admission.ema_s if isinstance(admission, EmaBackpressure) else None

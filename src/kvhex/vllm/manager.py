@@ -44,9 +44,10 @@ from kvhex.domain.geometry import KvGeometry
 from kvhex.domain.keys import OffloadKey
 from kvhex.domain.request import ReqContext
 from kvhex.domain.tiers import LookupResult, TierIdentity
+from kvhex.ports.host_buffer import HostBuffer
 from kvhex.ports.tier_store import TierStore
 from kvhex.service.engine import OffloadEngine
-from kvhex.service.tiering import TieringStats
+from kvhex.service.stats import TieringStats
 from kvhex.vllm.compat import RESET_FLUSH_STEPS, SIGNALS_RESET_FLUSHED
 from kvhex.vllm.convert import (
     LOOKUP,
@@ -75,6 +76,8 @@ class KvhexOffloadingManager(vbase.OffloadingManager):
         geometry: KvGeometry | None = None,
         on_shutdown: Callable[[], None] | None = None,
         tier_stores: Sequence[TierStore] = (),
+        host: HostBuffer | None = None,
+        store_threshold: int = 1,
     ) -> None:
         """Args:
         engine: the kvhex engine (host primary tier, secondary tiers, event pipeline).
@@ -85,6 +88,8 @@ class KvhexOffloadingManager(vbase.OffloadingManager):
         geometry: the model's KV groups, for full events (see ``incoming``).
         on_shutdown: called after the engine shut down (releases vLLM's region).
         tier_stores: the engine's secondary tiers, in order (for operators and tests).
+        host: the engine's host buffer (vLLM's region; for operators and tests).
+        store_threshold: the host tier's (vLLM's metrics count skipped stores from 2).
         """
         self._engine = engine
         self._events_enabled = events_enabled
@@ -92,6 +97,7 @@ class KvhexOffloadingManager(vbase.OffloadingManager):
         self._geometry = geometry
         self._on_shutdown = on_shutdown
         self._tier_stores = tuple(tier_stores)
+        self._host = host
         self._shut = False
         self._incoming: Any = None
         # after a reset, until vLLM's workers reported every job in flight at the reset, no
@@ -105,7 +111,7 @@ class KvhexOffloadingManager(vbase.OffloadingManager):
         self._metrics = VllmMetrics(
             engine,
             tier_names=[t.name for t in engine.stats().tiers],
-            store_threshold=engine.manager.primary.store_threshold,
+            store_threshold=store_threshold,
         )
 
     # -- kvhex-side access ---------------------------------------------------------------
@@ -118,6 +124,11 @@ class KvhexOffloadingManager(vbase.OffloadingManager):
     def tier_stores(self) -> tuple[TierStore, ...]:
         """The secondary tiers behind host memory, in lookup order."""
         return self._tier_stores
+
+    @property
+    def host(self) -> HostBuffer | None:
+        """The host buffer the engine's slots live in (``None`` when not given)."""
+        return self._host
 
     @property
     def geometry(self) -> KvGeometry | None:

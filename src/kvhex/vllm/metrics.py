@@ -32,11 +32,10 @@ from vllm.v1.kv_offload.cpu.common import CPUOffloadingMetrics as Cpu
 from vllm.v1.kv_offload.tiering.base import TieringOffloadingMetrics as Tiering
 from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
 
-from kvhex.domain.backpressure import EmaBackpressure
 from kvhex.domain.jobs import JobKind, JobResult, TierJob
 from kvhex.domain.tiers import Locality, Medium, TierIdentity
 from kvhex.service.engine import OffloadEngine
-from kvhex.service.tiering import TieringStats
+from kvhex.service.stats import TieringStats
 
 __all__ = ["MAX_SAMPLES", "VllmMetrics", "cache_hit_source", "metric_definitions"]
 
@@ -128,7 +127,7 @@ class VllmMetrics:
         self._lookup_waits = _Samples()
         self._promotion_latency = _Samples()
         self._jobs: dict[str, dict[tuple[str, ...], float]] = {}
-        engine.manager.observe_jobs(self._on_job)
+        engine.observe_jobs(self._on_job)
 
     def on_lookup(self, seconds: float, deferred_since: float | None = None) -> None:
         """A lookup resolved (``HIT`` or ``MISS``) after blocking ``seconds``; when earlier
@@ -192,11 +191,8 @@ class VllmMetrics:
             )
             stats.set_gauge(Tiering.ACTIVE_PROMOTION_JOBS, tier.gets_in_flight, labels)
             stats.set_gauge(Tiering.ACTIVE_CASCADE_JOBS, tier.puts_in_flight, labels)
-        for policy, labels in zip(
-            self._engine.manager.admission_policies(), self._labels, strict=True
-        ):
-            if isinstance(policy, EmaBackpressure) and policy.ema_s is not None:
-                stats.set_gauge(Tiering.BACKPRESSURE_STORE_LATENCY_EMA, policy.ema_s, labels)
+            if (ema := tier.admission_ema_s) is not None:
+                stats.set_gauge(Tiering.BACKPRESSURE_STORE_LATENCY_EMA, ema, labels)
         for name, series in self._jobs.items():
             for labels, value in series.items():
                 stats.increase_counter(name, value, labels)

@@ -400,4 +400,6 @@ class KvhexOffloadingSpec(TieringOffloadingSpec):
             silent_tiers=silent,
             geometry=geometry,
             tier_stores=stores,
+            host=host,
+            store_threshold=self.settings.store_threshold,
         )

@@ -73,9 +73,8 @@ class Engine:
         self.tier = MemoryTierStore(
             host, capacity_bytes=TIER_CHUNKS * 32, name="mem", complete_after_polls=1
         )
-        self.manager = TieringManager(
-            PrimaryTier(HOST_SLOTS, LruPolicy(HOST_SLOTS)), [self.tier], host=host
-        )
+        self.primary = PrimaryTier(HOST_SLOTS, LruPolicy(HOST_SLOTS))
+        self.manager = TieringManager(self.primary, [self.tier], host=host)
         translator = EventTranslator(GEO, int_hashes=True)
         self.engine = OffloadEngine(self.manager, EventPipeline(translator, [sink]))
         self.requests: list[ReqContext] = []
@@ -116,8 +115,7 @@ class Engine:
 
     def held(self) -> tuple[list[bytes], list[bytes]]:
         """The blocks held now: in host memory, and in the ``STORAGE`` tier."""
-        primary = self.manager.primary
-        host = [k for k in self.blocks if primary.lookup(k) is LookupResult.HIT]
+        host = [k for k in self.blocks if self.primary.lookup(k) is LookupResult.HIT]
         tier = self.tier.keys()  # readable keys (a MemoryTierStore is no mapping)
         return (
             [h for k in host for h in self.blocks[k]],

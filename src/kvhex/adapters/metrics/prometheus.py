@@ -1,10 +1,10 @@
 """``PrometheusCollector``: an ``OffloadEngine``'s counters as Prometheus metrics.
 
-The engine keeps plain counters as it works (``TieringStats``, the event pipeline's counts);
-this collector reads them when the registry is scraped, so a lookup costs the same whether or
-not anyone scrapes. Nothing is registered globally: :func:`register_metrics` adds one
-collector to the ``CollectorRegistry`` the host application passes, and :func:`serve_metrics`
-serves that registry over HTTP only when asked.
+The engine keeps plain counters as it works; this collector reads their snapshot
+(``OffloadEngine.stats()``: every tier's counters, the events published) when the registry is
+scraped, so a lookup costs the same whether or not anyone scrapes. Nothing is registered
+globally: :func:`register_metrics` adds one collector to the ``CollectorRegistry`` the host
+application passes, and :func:`serve_metrics` serves that registry over HTTP only when asked.
 
 Every metric, its labels and its meaning are listed in ``docs/metrics.md`` (a test checks the
 list against what a scrape returns). Tiers are labelled by ``tier`` (their name; the host
@@ -36,7 +36,7 @@ from prometheus_client.registry import Collector
 from kvhex.domain.histogram import Histogram
 from kvhex.errors import ConfigError
 from kvhex.service.engine import OffloadEngine
-from kvhex.service.tiering import TieringStats
+from kvhex.service.stats import TieringStats
 
 __all__ = [
     "METRICS",
@@ -197,7 +197,7 @@ class PrometheusCollector(Collector):
         """
         self._engine = engine
         self._const = dict(labels or {})
-        self._slot_bytes = _slot_bytes(engine)
+        self._slot_bytes = engine.slot_bytes
 
     def describe(self) -> Iterator[Metric]:
         """The metric families, without samples (lets the registry refuse duplicates)."""
@@ -219,8 +219,8 @@ class PrometheusCollector(Collector):
             family.add_metric([*const, *labels], value)
 
         self._host(stats, add)
-        for tier, identity in zip(stats.tiers, self._identities(), strict=False):
-            t = [tier.name, identity]
+        for tier in stats.tiers:
+            t = [tier.name, str(tier.medium)]
             add("kvhex_tier_lookups", t, tier.lookups)
             add("kvhex_tier_hits", t, tier.hits)
             add("kvhex_tier_misses", t, tier.misses)
@@ -254,14 +254,13 @@ class PrometheusCollector(Collector):
         add("kvhex_load_chunks", ["recompute"], loading.chunks_recomputed)
         if stats.prefill_tokens_per_s is not None:
             add("kvhex_prefill_tokens_per_second", [], stats.prefill_tokens_per_s)
-        pipeline = self._engine.pipeline
-        for (kind, medium), count in sorted(dict(pipeline.events_published).items()):
+        events = stats.events
+        for (kind, medium), count in sorted(events.published.items()):
             add("kvhex_events_published", [kind, medium], count)
-        sent, dropped = list(pipeline.sink_batches), list(pipeline.sink_failures)
-        for i, sink in enumerate(list(pipeline.sinks)):
-            label = [f"{i}:{type(sink).__name__}"]
-            add("kvhex_sink_batches_sent", label, sent[i] if i < len(sent) else 0)
-            add("kvhex_sink_batches_dropped", label, dropped[i] if i < len(dropped) else 0)
+        for i, sink in enumerate(events.sinks):
+            label = [f"{i}:{sink.name}"]
+            add("kvhex_sink_batches_sent", label, sink.batches_sent)
+            add("kvhex_sink_batches_dropped", label, sink.batches_dropped)
         yield from families.values()
 
     def _host(self, stats: TieringStats, add: Any) -> None:
@@ -276,9 +275,6 @@ class PrometheusCollector(Collector):
         add("kvhex_tier_used_bytes", t, (host.resident + host.pending) * self._slot_bytes)
         add("kvhex_tier_capacity_bytes", t, host.num_slots * self._slot_bytes)
 
-    def _identities(self) -> list[str]:
-        return [str(s.identity.medium) for s in self._engine.manager.tier_stores]
-
     def _stats(self) -> TieringStats:
         # the scheduler thread may resize a dict the snapshot copies: try again
         for _ in range(3):
@@ -287,11 +283,6 @@ class PrometheusCollector(Collector):
             except RuntimeError:
                 continue
         return self._engine.stats()
-
-
-def _slot_bytes(engine: OffloadEngine) -> int:
-    host = engine.manager.host
-    return host.slot_bytes if host is not None else 0
 
 
 def _family(kind: str, name: str, doc: str, labels: list[str]) -> Metric:
