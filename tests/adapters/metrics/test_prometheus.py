@@ -105,9 +105,15 @@ def test_a_scrape_over_http_agrees_with_the_engines_stats(
     assert value(after, "kvhex_tier_evictions_total", **host) == stats.primary.evictions > 0
     stored = value(after, "kvhex_events_published_total", type="BlockStored", medium="STORAGE")
     assert stored == stats.events.published[("BlockStored", "STORAGE")] == 4
+    # no geometry: every store is a placeholder (1 of them twice: host memory, then mem0)
+    assert value(after, "kvhex_events_stored_keys_total", payload="full") == 0
+    placeholders = value(after, "kvhex_events_stored_keys_total", payload="placeholder")
+    assert placeholders == stats.events.placeholder_stores == 4 + 4 + 1
     sent = value(after, "kvhex_sink_batches_sent_total", sink="0:_Sink")
     assert sent == SINK.batches > 0
     assert value(after, "kvhex_sink_batches_dropped_total", sink="0:_Sink") == 0
+    # the in-memory tier counts no damage: no series rather than a zero that would lie
+    assert value(after, "kvhex_tier_corrupt_blocks_total", -1.0, **mem) == -1
 
 
 def test_every_listed_metric_is_exported_and_nothing_else(

@@ -128,6 +128,27 @@ METRICS: tuple[tuple[str, str, tuple[str, ...], str], ...] = (
     ),
     ("kvhex_tier_resident_blocks", "gauge", _TIER, "Chunks readable on this tier now."),
     (
+        "kvhex_tier_corrupt_blocks",
+        "counter",
+        _TIER,
+        "Chunks a get found damaged on this tier (failed integrity check, truncated): never "
+        "served, dropped and announced removed (tiers that check integrity).",
+    ),
+    (
+        "kvhex_tier_lost_blocks",
+        "counter",
+        _TIER,
+        "Chunks this tier dropped as unreadable other than by eviction or delete (missing or "
+        "corrupt at a get, missing at a probe, an unwritten put, a lost store).",
+    ),
+    (
+        "kvhex_tier_io_errors",
+        "counter",
+        _TIER,
+        "Storage operations of this tier that failed outside a job's per-chunk outcome "
+        "(a write, a removal).",
+    ),
+    (
         "kvhex_tier_used_bytes",
         "gauge",
         _TIER,
@@ -170,6 +191,13 @@ METRICS: tuple[tuple[str, str, tuple[str, ...], str], ...] = (
         "counter",
         ("type", "medium"),
         "KV events published, by type (BlockStored, BlockRemoved, AllBlocksCleared) and medium.",
+    ),
+    (
+        "kvhex_events_stored_keys",
+        "counter",
+        ("payload",),
+        "Keys announced stored, by payload: full (hashes, parent, tokens, extra keys) or "
+        "placeholder (no tokens: external work, shapes events cannot describe).",
     ),
     (
         "kvhex_sink_batches_sent",
@@ -243,6 +271,12 @@ class PrometheusCollector(Collector):
             if tier.used_bytes is not None and tier.capacity_bytes is not None:
                 add("kvhex_tier_used_bytes", t, tier.used_bytes)
                 add("kvhex_tier_capacity_bytes", t, tier.capacity_bytes)
+            if tier.corrupt_blocks is not None:
+                add("kvhex_tier_corrupt_blocks", t, tier.corrupt_blocks)
+            if tier.lost_blocks is not None:
+                add("kvhex_tier_lost_blocks", t, tier.lost_blocks)
+            if tier.io_errors is not None:
+                add("kvhex_tier_io_errors", t, tier.io_errors)
         add("kvhex_host_store_allocation_failures", [], stats.primary.store_allocation_failures)
         add("kvhex_requests_active", [], stats.active_requests)
         loading = stats.loading
@@ -257,6 +291,8 @@ class PrometheusCollector(Collector):
         events = stats.events
         for (kind, medium), count in sorted(events.published.items()):
             add("kvhex_events_published", [kind, medium], count)
+        add("kvhex_events_stored_keys", ["full"], events.full_stores)
+        add("kvhex_events_stored_keys", ["placeholder"], events.placeholder_stores)
         for i, sink in enumerate(events.sinks):
             label = [f"{i}:{sink.name}"]
             add("kvhex_sink_batches_sent", label, sink.batches_sent)
