@@ -24,6 +24,8 @@ from vllm.v1.kv_offload.tiering.factory import SecondaryTierFactory
 from vllm.v1.kv_offload.tiering.manager import TieringOffloadingManager
 from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
 
+from kvhex.adapters.memory import MemoryTierStore
+from kvhex.adapters.storage.tier import BlockTierStore
 from kvhex.errors import ConfigError
 from kvhex.vllm import KvhexSecondaryTier, register
 from kvhex.vllm.compat import SIGNALS_RESET_FLUSHED
@@ -134,6 +136,10 @@ def test_store_cascade_promotion_and_events(tiering: TieringOffloadingManager) -
     assert events[1].ownership == "fsspec"
     assert events[1].locality is not None
     assert events[1].removal_expected  # the tier announces its removals too
+    counted = tier.stats()  # kvhex's own counters count inside vLLM's spec too
+    assert (counted.name, counted.puts_ok, counted.keys_put) == ("fsspec", 1, 2)
+    assert (counted.blocks_stored, counted.resident_blocks) == (2, 2)
+    assert (counted.used_bytes, counted.corrupt_blocks) == (2 * 2 * PAGE, 0)
 
     # the host tier forgets everything; the file tier keeps both chunks
     tiering.reset_cache()
@@ -173,7 +179,9 @@ def test_a_missing_block_fails_the_promotion_and_is_never_retried(
     tiering.on_new_request(reader)
     tiering.lookup(key(5), reader)
     _steps_until(tiering, lambda: tiering.lookup(key(5), reader) is not LookupResult.RETRY)
-    path, offset = tier._store.location(key(5))  # type: ignore[attr-defined]
+    files = tier.tier_store
+    assert isinstance(files, BlockTierStore)
+    path, offset = files.location(key(5))
     os.truncate(path, offset)  # the block's bytes are gone from its slab file meanwhile
     _steps_until(
         tiering,
@@ -208,13 +216,15 @@ def test_refused_jobs_partial_loads_and_probes_reach_vllm_as_its_results() -> No
         assert list(tier.get_finished_jobs()) == []
         assert tier.lookup(key(1), ctx) is LookupResult.HIT
         rows[:] = 0
-        tier._store.partial_next_get([key(2)])  # type: ignore[attr-defined]
+        store = tier.tier_store
+        assert isinstance(store, MemoryTierStore)
+        store.partial_next_get([key(2)])
         tier.submit_load(job(1, [1, 2], promotion=True))
         (partial,) = tier.get_finished_jobs()
         assert (partial.job_id, partial.success, partial.successful_keys) == (1, False, [key(2)])
         assert set(rows[1].tolist()) == {4}
         assert tier.lookup(key(1), ctx) is LookupResult.MISS  # never promoted again from here
-        tier._store.close()  # type: ignore[attr-defined]
+        store.close()
         tier.submit_store(job(2, [3], promotion=False))
         assert tier.has_pending_work()  # the refusal is reported by the next poll
         (refused,) = tier.get_finished_jobs()

@@ -12,8 +12,9 @@ against its signature (an unknown option fails vLLM's start-up with a ``ConfigEr
 it). vLLM's ``TieringOffloadingManager`` drives it through vLLM's ``SecondaryTierManager``
 contract: cascades become kvhex put jobs, promotions get jobs, lookups are answered from
 asynchronous existence probes (``RETRY`` until a probe answers, one probe job per step). The
-tier's bookkeeping is kvhex's ``TierDriver``, as in kvhex's own manager; vLLM allocates the
-ids of puts and gets, probes take negative ids (they never meet vLLM's).
+tier's bookkeeping is kvhex's ``TierDriver``, as in kvhex's own manager, and every call to the
+store goes through it (its events counted, ``stats()``); vLLM allocates the ids of puts and
+gets, probes take negative ids (they never meet vLLM's).
 
 Events: the tier's own stores and removals (``STORAGE``, its locality, its name as
 ownership), only when ``enable_kv_events`` is set and vLLM's KV events are on, as vLLM's
@@ -35,6 +36,8 @@ from kvhex.domain.keys import OffloadKey
 from kvhex.domain.tiers import OffloadPolicy
 from kvhex.errors import ConfigError
 from kvhex.plugins import Registry
+from kvhex.ports.tier_store import TierStore
+from kvhex.service.stats import TierStats
 from kvhex.service.tier_driver import TierDriver, loaded_keys
 from kvhex.vllm.compose import RegionHostBuffer, build_tier_store
 from kvhex.vllm.convert import (
@@ -97,18 +100,19 @@ class KvhexSecondaryTier(vtier.SecondaryTierManager):
         from kvhex.vllm.spec import namespace_of
 
         namespace = namespace_of(offloading_spec.config, self.block_size_bytes)
-        self._store = build_tier_store(settings, host, Registry.discover(), namespace)
+        store = build_tier_store(settings, host, Registry.discover(), namespace)
+        self._tier_store = store
         self._host = host
         self.name = settings.name
-        identity = self._store.identity
+        probe_ids = itertools.count(-1, -1)
+        self._driver = TierDriver(store, self.name, probe_ids=lambda: JobId(next(probe_ids)))
+        identity = self._driver.identity
         self.locality = vllm_locality(identity)
         if identity.medium.name in ("CPU", "STORAGE"):
             self.medium = vbase.Medium(identity.medium.name)  # type: ignore[misc]
         self._events = enable_kv_events and offloading_spec.kv_events_config.enable_kv_cache_events
         if enable_kv_events and not self._events:
             log.warning("tier_events_off_globally", tier=self.name)
-        probe_ids = itertools.count(-1, -1)
-        self._driver = TierDriver(self._store, self.name, probe_ids=lambda: JobId(next(probe_ids)))
         self._refused: list[vtier.JobResult] = []  # failed submissions, for the next poll
 
     # -- lookups and jobs ----------------------------------------------------------------
@@ -138,7 +142,7 @@ class KvhexSecondaryTier(vtier.SecondaryTierManager):
         return out
 
     def drain_jobs(self) -> None:
-        self._store.drain()
+        self._driver.drain()
 
     def has_pending_work(self) -> bool:
         return bool(self._refused) or self._driver.has_pending_work()
@@ -155,11 +159,22 @@ class KvhexSecondaryTier(vtier.SecondaryTierManager):
         self._driver.on_request_finished(context_of(req_context)[0])
 
     def take_events(self) -> Iterable[vbase.OffloadingEvent]:
-        raw = self._store.take_events()
+        raw = self._driver.take_events()  # counted in stats() even when not announced
         return offloading_events(raw) if self._events else []
 
+    @property
+    def tier_store(self) -> TierStore:
+        """The kvhex tier behind this one, for operators and tests (every call this class
+        makes goes through the tier's ``TierDriver``)."""
+        return self._tier_store
+
+    def stats(self) -> TierStats:
+        """kvhex's counters of this tier (jobs, lookups, announced blocks, occupancy, damage),
+        a snapshot: vLLM's tiering manager reports its own metrics, not these."""
+        return self._driver.snapshot()
+
     def shutdown(self) -> None:
-        self._store.close()
+        self._driver.close()
         self._host.close()  # our view only: vLLM owns the region
 
 
