@@ -47,7 +47,10 @@ from _report import Report, parse
 from kvhex.vllm.compat import manager_lock
 
 BLOCK = 32
-QUICK = {"prefix": 256, "layers": 2, "hidden": 128, "repeats": 1}
+# --quick (what the test runs) throttles the slow tier to 10x the recompute, not 3x: the
+# recompute is timed in its own engine first, and a machine busy with other work while the tier
+# engines run can slow their prefill (what kvhex measures and decides with) several times over
+QUICK = {"prefix": 256, "layers": 2, "hidden": 128, "repeats": 1, "slow_factor": 10.0}
 """Sizes of ``--quick`` (the smoke test's)."""
 
 
@@ -224,7 +227,7 @@ def main() -> None:
             )
             with engine(model, max_len, kv_transfer_config=transfer) as llm:
                 manager = scheduler_manager(llm)
-                tiering = manager.engine.manager
+                tiering = manager.engine
                 first_token(llm, prompt(0))  # stores the prefix in host memory and the tier
                 settle(llm)
                 for i in passes:
