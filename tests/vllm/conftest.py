@@ -19,8 +19,10 @@ from pathlib import Path
 
 import pytest
 
-# the S3 server with users and credentials (test_settings' obj tier) is the storage tests' own
+# the S3 server with users and credentials (test_settings' obj tier) is the storage tests' own;
+# the example transfer, installed as a user would, the plugin tests' own
 from tests.adapters.conftest import s3_auth_server  # noqa: F401
+from tests.plugins.conftest import counting_site  # noqa: F401
 
 # a private vLLM cache: another vLLM version sharing ~/.cache/vllm breaks model inspection
 if "VLLM_CACHE_ROOT" not in os.environ:

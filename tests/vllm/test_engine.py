@@ -8,6 +8,7 @@ later turn finds the prefix only where kvhex kept it.
 
 from __future__ import annotations
 
+import json
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -142,6 +143,34 @@ def test_host_memory_serves_a_prefix_the_device_lost(
     assert cached[0] == 0
     # the device kept at most one block of the prefix: the host tier served the rest
     assert_prefix_served(outputs, cached, loads, in_turns(baseline), at_least=9)
+
+
+def test_a_third_party_transfer_named_in_vllms_config_moves_the_host_tiers_bytes(
+    model: Path,
+    baseline: dict[int, list[int]],
+    counting_site: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``kvhex.transfer`` picks the CPU worker's copier from the ``kvhex.transfers`` entry
+    points as ``[run] transfer`` does for ``kvhex run``: the example counting transfer,
+    installed as a user would, does every store and load of the engine's host tier."""
+    monkeypatch.syspath_prepend(str(counting_site))  # its entry point, as pip installed it
+    report = tmp_path / "counts.json"
+    extra = {
+        **host_only(),
+        "kvhex": {"transfer": "counting", "transfer_options": {"report_path": str(report)}},
+    }
+    with offline_engine(model, kv_transfer_config=kvhex_transfer(extra)) as llm:
+        outputs, cached, loads = run_turns(llm, host_loads, one_flush)
+        stats = kvhex_manager(llm).stats().primary
+    assert_prefix_served(outputs, cached, loads, in_turns(baseline), at_least=9)
+    counts = json.loads(report.read_text())  # written when the worker closed its transfer
+    assert counts["store"]["failed"] == counts["load"]["failed"] == 0
+    assert counts["store"]["jobs"] > 0
+    assert counts["load"]["jobs"] > 0
+    assert counts["load"]["nbytes"] >= sum(loads) * CHUNK_BYTES
+    assert stats.loads == sum(loads)
 
 
 def _x86_fp8_kv() -> bool:

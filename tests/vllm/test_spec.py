@@ -104,6 +104,15 @@ def test_the_spec_factory_builds_it_from_a_module_path_alone(
     manager.shutdown()  # idempotent
 
 
+def test_an_unknown_transfer_is_refused_when_the_spec_is_built_listing_the_installed() -> None:
+    with pytest.raises(ConfigError) as err:
+        KvhexOffloadingSpec(
+            offloading_config({"cpu_bytes_to_use": 8 * PAGE, "kvhex": {"transfer": "nope"}})
+        )
+    assert err.value.paths == ("$.kvhex.transfer",)
+    assert "unknown transfer 'nope'; available: memory, torch" in str(err.value)
+
+
 def test_host_memory_too_small_for_one_chunk_is_a_config_error() -> None:
     spec = KvhexOffloadingSpec(offloading_config({"cpu_bytes_to_use": PAGE - 1}))
     with pytest.raises(ConfigError) as err:

@@ -81,10 +81,17 @@ class VllmEngineOptions:
         policy: the host tier's eviction policy (overrides ``eviction_policy``).
         loading: load or recompute prefixes held by secondary tiers (as TOML's
             ``[loading]``).
+        transfer: on vLLM's CPU platform, the ``kvhex.transfers`` entry point kvhex's worker
+            copies with between vLLM's KV tensors and the host region (``torch``, or a third
+            party's taking the same arguments); elsewhere vLLM's own worker copies.
+        transfer_options: keyword arguments of that transfer's factory besides what the
+            worker passes (the cells, the tensors, ``tensor_groups``, ``blocks_per_chunk``).
     """
 
     policy: PluginName | None = None
     loading: LoadingConfig = attrs.field(factory=LoadingConfig)
+    transfer: PluginName = attrs.field(default=PluginName("torch"))
+    transfer_options: Options = attrs.field(factory=lambda: Options({}))
 
 
 @attrs.frozen(kw_only=True)

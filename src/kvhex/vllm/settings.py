@@ -72,6 +72,8 @@ class VllmSettings:
             ``$.eviction_policy``).
         store_threshold: at least 1 (vLLM's 0 and 1 both store at once).
         loading: load or recompute (``$.kvhex.loading``).
+        transfer, transfer_options: the CPU worker's ``kvhex.transfers`` entry point and
+            its factory's options (``$.kvhex.transfer``, ``$.kvhex.transfer_options``).
     """
 
     cpu_bytes_to_use: int
@@ -81,6 +83,8 @@ class VllmSettings:
     max_tracker_size: int
     tiers: tuple[TierSettings, ...]
     loading: LoadingConfig = attrs.field(factory=LoadingConfig)
+    transfer: str = "torch"
+    transfer_options: Mapping[str, Any] = attrs.field(factory=dict)
 
 
 def parse_settings(extra: Mapping[str, Any]) -> VllmSettings:
@@ -102,6 +106,8 @@ def parse_settings(extra: Mapping[str, Any]) -> VllmSettings:
             for i, entry in enumerate(config.secondary_tiers)
         ),
         loading=config.kvhex.loading,
+        transfer=config.kvhex.transfer,
+        transfer_options=dict(config.kvhex.transfer_options),
     )
 
 

@@ -50,7 +50,7 @@ from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
 
 from kvhex.domain.geometry import KvGeometry, KvGroup
 from kvhex.errors import ConfigError
-from kvhex.plugins import Registry
+from kvhex.plugins import TRANSFERS, Registry
 from kvhex.ports.tier_store import tier_identities
 from kvhex.vllm.compat import (
     HASH_SCHEME,
@@ -266,6 +266,7 @@ class KvhexOffloadingSpec(TieringOffloadingSpec):
 
     def __init__(self, config: OffloadingConfig) -> None:
         self.settings: VllmSettings = parse_settings(config.extra_config)
+        _check_transfer(self.settings.transfer)
         super().__init__(config)
         self._kvhex_manager: KvhexOffloadingManager | None = None
 
@@ -324,6 +325,8 @@ class KvhexOffloadingSpec(TieringOffloadingSpec):
                 blocks_per_chunk=self.blocks_per_chunk,
                 cells=cells,
                 release=region.cleanup,
+                transfer=self.settings.transfer,
+                transfer_options=self.settings.transfer_options,
             )
         except BaseException:
             region.cleanup()
@@ -402,4 +405,19 @@ class KvhexOffloadingSpec(TieringOffloadingSpec):
             tier_stores=stores,
             host=host,
             store_threshold=self.settings.store_threshold,
+        )
+
+
+def _check_transfer(name: str) -> None:
+    """Refuse an unknown ``kvhex.transfer`` when the spec is built, in the scheduler as in
+    each worker, so no process starts with a worker that cannot.
+
+    Raises:
+        ConfigError: at ``$.kvhex.transfer``, listing the installed transfers.
+    """
+    names = Registry.discover([TRANSFERS]).names(TRANSFERS)
+    if name not in names:
+        available = ", ".join(names) or "none installed"
+        raise ConfigError(
+            [("$.kvhex.transfer", f"unknown transfer {name!r}; available: {available}")], SOURCE
         )
