@@ -9,7 +9,7 @@ from tests.service.harness import World, key, keys
 RETRY, HIT, MISS = LookupResult.RETRY, LookupResult.HIT, LookupResult.MISS
 
 
-def test_53_first_lookup_retries_then_the_answer_sticks() -> None:
+def test_first_lookup_retries_then_the_answer_sticks() -> None:
     cache = ProbeCache()
     ctx = ReqContext("r")
     assert cache.lookup(key(1), ctx) is RETRY
@@ -21,7 +21,7 @@ def test_53_first_lookup_retries_then_the_answer_sticks() -> None:
     assert cache.lookup(key(1), ctx) is HIT
 
 
-def test_54_one_batch_per_step_without_duplicates() -> None:
+def test_one_batch_per_step_without_duplicates() -> None:
     cache = ProbeCache()
     a, b = ReqContext("a"), ReqContext("b")
     for ctx in (a, b, a):
@@ -32,7 +32,7 @@ def test_54_one_batch_per_step_without_duplicates() -> None:
     assert not cache.pending
 
 
-def test_55_cleanup_drops_only_what_no_request_still_wants() -> None:
+def test_cleanup_drops_only_what_no_request_still_wants() -> None:
     cache = ProbeCache()
     a, b = ReqContext("a"), ReqContext("b")
     cache.lookup(key(1), a)
@@ -48,7 +48,7 @@ def test_55_cleanup_drops_only_what_no_request_still_wants() -> None:
     assert len(cache) == 0
 
 
-def test_55_in_flight_probes_survive_cleanup_and_are_shared() -> None:
+def test_in_flight_probes_survive_cleanup_and_are_shared() -> None:
     cache = ProbeCache()
     a, b = ReqContext("a"), ReqContext("b")
     cache.lookup(key(1), a)
@@ -69,7 +69,7 @@ def test_queued_probe_of_a_finished_request_is_never_sent() -> None:
     assert cache.take_batch() == []
 
 
-def test_56_probes_across_many_steps_all_resolve_through_the_manager() -> None:
+def test_probes_across_many_steps_all_resolve_through_the_manager() -> None:
     world = World(tiers=1, complete_after_polls=2)
     world.store([1, 3], ReqContext("seed"))
     world.step(3)

@@ -67,7 +67,7 @@ def recording_world(every_chunk: tuple[bool, bool] = (False, False)) -> tuple[Wo
     return world, journal
 
 
-def test_24_touch_reaches_the_host_tier_and_every_request_aware_tier() -> None:
+def test_touch_reaches_the_host_tier_and_every_request_aware_tier() -> None:
     world, journal = recording_world()
     ctx = ReqContext("r")
     world.store([1, 2, 3], ctx)
@@ -81,7 +81,7 @@ def test_24_touch_reaches_the_host_tier_and_every_request_aware_tier() -> None:
     assert plan.evicted == keys(3, 2)  # touch walked [1, 2] in reverse: 1 ends most recent
 
 
-def test_29_tiers_hear_finished_only_after_the_last_cascade_was_submitted() -> None:
+def test_tiers_hear_finished_only_after_the_last_cascade_was_submitted() -> None:
     world, journal = recording_world()
     ctx = ReqContext("r")
     world.manager.on_new_request(ctx)
@@ -99,7 +99,7 @@ def test_29_tiers_hear_finished_only_after_the_last_cascade_was_submitted() -> N
     assert world.manager.stats().active_requests == 0
 
 
-def test_30_a_failed_host_store_still_finalizes_the_request() -> None:
+def test_a_failed_host_store_still_finalizes_the_request() -> None:
     world, journal = recording_world()
     ctx = ReqContext("r")
     plan = world.manager.prepare_store(keys(1), ctx)
@@ -110,7 +110,7 @@ def test_30_a_failed_host_store_still_finalizes_the_request() -> None:
     assert world.manager.stats().active_requests == 0
 
 
-def test_31_a_request_without_pending_stores_finalizes_at_once() -> None:
+def test_a_request_without_pending_stores_finalizes_at_once() -> None:
     world, journal = recording_world()
     ctx = ReqContext("r")
     world.manager.on_new_request(ctx)
@@ -118,7 +118,7 @@ def test_31_a_request_without_pending_stores_finalizes_at_once() -> None:
     assert [kind for kind, _, _ in journal] == ["finished", "finished"]
 
 
-def test_32_reset_finalizes_finished_requests_and_keeps_active_ones() -> None:
+def test_reset_finalizes_finished_requests_and_keeps_active_ones() -> None:
     world, journal = recording_world()
     done, active = ReqContext("done"), ReqContext("active")
     for ctx in (done, active):
@@ -135,14 +135,14 @@ def test_32_reset_finalizes_finished_requests_and_keeps_active_ones() -> None:
     assert world.manager.stats().active_requests == 0
 
 
-def test_33_offload_policy_is_request_level_when_a_tier_wants_every_chunk() -> None:
+def test_offload_policy_is_request_level_when_a_tier_wants_every_chunk() -> None:
     world, _ = recording_world()
     assert world.manager.on_new_request(ReqContext("a")) is OffloadPolicy.CHUNK_LEVEL
     world, _ = recording_world((False, True))
     assert world.manager.on_new_request(ReqContext("b")) is OffloadPolicy.REQUEST_LEVEL
 
 
-def test_34_request_level_tiers_get_already_present_chunks_too() -> None:
+def test_request_level_tiers_get_already_present_chunks_too() -> None:
     world, journal = recording_world((False, True))
     first = ReqContext("first")
     world.store([1], first)
@@ -157,7 +157,7 @@ def test_34_request_level_tiers_get_already_present_chunks_too() -> None:
     assert [(kind, who, arg) for kind, who, arg in journal] == [("put", "t1", ctx)]
 
 
-def test_35_reset_drains_jobs_drops_unsubmitted_promotions_and_keeps_tiers() -> None:
+def test_reset_drains_jobs_drops_unsubmitted_promotions_and_keeps_tiers() -> None:
     world = World(complete_after_polls=5)
     ctx = ReqContext("r")
     world.store([1], ctx)

@@ -30,7 +30,7 @@ def secondary_only(world: World, ids: list[int]) -> None:
     world.manager.take_events()
 
 
-def test_15_events_come_primary_first_then_each_tier_in_order() -> None:
+def test_events_come_primary_first_then_each_tier_in_order() -> None:
     world = World()
     ctx = ReqContext("r")
     world.store([1], ctx)
@@ -43,7 +43,7 @@ def test_15_events_come_primary_first_then_each_tier_in_order() -> None:
     assert world.manager.take_events() == []
 
 
-def test_16_a_completed_store_cascades_to_every_tier() -> None:
+def test_a_completed_store_cascades_to_every_tier() -> None:
     world = World()
     world.store([1, 2], ReqContext("r"))
     world.step()
@@ -54,7 +54,7 @@ def test_16_a_completed_store_cascades_to_every_tier() -> None:
     assert [t.puts_ok for t in world.manager.stats().tiers] == [1, 1]
 
 
-def test_17_slots_stay_pinned_once_per_tier_until_the_next_steps_poll() -> None:
+def test_slots_stay_pinned_once_per_tier_until_the_next_steps_poll() -> None:
     world = World()
     ctx = ReqContext("r")
     world.lookup([9], ctx)  # this step's poll happened
@@ -66,7 +66,7 @@ def test_17_slots_stay_pinned_once_per_tier_until_the_next_steps_poll() -> None:
     assert world.primary.ref_count(key(1)) == 0
 
 
-def test_18_secondary_only_keys_are_probed_promoted_and_then_hit() -> None:
+def test_secondary_only_keys_are_probed_promoted_and_then_hit() -> None:
     world = World()
     secondary_only(world, [1, 2])
     ctx = ReqContext("r")
@@ -90,7 +90,7 @@ def _promote(world: World, ids: list[int], ctx: ReqContext) -> list[LookupResult
     return world.lookup(ids, ctx)
 
 
-def test_19_partial_promotion_keeps_loaded_keys_and_drops_the_rest() -> None:
+def test_partial_promotion_keeps_loaded_keys_and_drops_the_rest() -> None:
     world = World(tiers=1)
     secondary_only(world, [0, 1, 2])
     world.tiers[0].partial_next_get(keys(0, 2))
@@ -98,7 +98,7 @@ def test_19_partial_promotion_keeps_loaded_keys_and_drops_the_rest() -> None:
     assert world.manager.stats().tiers[0].keys_failed_to_promote == 1
 
 
-def test_19_failed_promotion_without_partial_success_loses_every_key() -> None:
+def test_failed_promotion_without_partial_success_loses_every_key() -> None:
     world = World(tiers=1)
     secondary_only(world, [0, 1])
     world.tiers[0].fail_next_gets()
@@ -107,7 +107,7 @@ def test_19_failed_promotion_without_partial_success_loses_every_key() -> None:
     assert world.manager.take_events() == []  # a failed promotion announces nothing
 
 
-def test_20_a_failed_load_is_never_re_promoted_in_a_loop() -> None:
+def test_a_failed_load_is_never_re_promoted_in_a_loop() -> None:
     world = World(tiers=1)
     secondary_only(world, [0])
     world.tiers[0].fail_next_gets()
@@ -119,14 +119,14 @@ def test_20_a_failed_load_is_never_re_promoted_in_a_loop() -> None:
     assert world.manager.stats().tiers[0].gets_submitted == 1
 
 
-def test_22_a_partial_prefix_hits_only_what_was_stored() -> None:
+def test_a_partial_prefix_hits_only_what_was_stored() -> None:
     world = World()
     ctx = ReqContext("r")
     world.store([1, 2, 3], ctx)
     assert world.lookup([1, 2, 3, 4, 5], ctx) == [HIT, HIT, HIT, RETRY, RETRY]
 
 
-def test_23_host_eviction_works_once_cascades_released_their_pins() -> None:
+def test_host_eviction_works_once_cascades_released_their_pins() -> None:
     world = World(num_slots=5)
     ctx = ReqContext("r")
     world.store([1, 2, 3, 4, 5], ctx)
@@ -140,7 +140,7 @@ def test_23_host_eviction_works_once_cascades_released_their_pins() -> None:
     assert [e.keys for e in removed] == [(key(1), key(2))]
 
 
-def test_25_a_failed_device_store_never_cascades() -> None:
+def test_a_failed_device_store_never_cascades() -> None:
     world = World()
     world.store([1], ReqContext("r"), success=False)
     world.step(2)
@@ -150,7 +150,7 @@ def test_25_a_failed_device_store_never_cascades() -> None:
     assert all(t.keys() == [] for t in world.tiers)
 
 
-def test_26_promotions_are_one_get_per_request_carrying_its_context() -> None:
+def test_promotions_are_one_get_per_request_carrying_its_context() -> None:
     world = World(tiers=1)
     secondary_only(world, [1, 2, 3])
     a, b = ReqContext("a"), ReqContext("b")
@@ -166,7 +166,7 @@ def test_26_promotions_are_one_get_per_request_carrying_its_context() -> None:
     assert stored == {(key(1), key(2)): a, (key(3),): b}
 
 
-def test_27_a_key_two_requests_want_is_promoted_once_for_the_first() -> None:
+def test_a_key_two_requests_want_is_promoted_once_for_the_first() -> None:
     world = World(tiers=1)
     secondary_only(world, [1])
     a, b = ReqContext("same-id"), ReqContext("same-id")
@@ -182,7 +182,7 @@ def test_27_a_key_two_requests_want_is_promoted_once_for_the_first() -> None:
     assert stored[0].ctx is a
 
 
-def test_28_cascades_carry_the_exact_request_context() -> None:
+def test_cascades_carry_the_exact_request_context() -> None:
     world = World()
     ctx = ReqContext("r")
     world.store([1], ctx)
@@ -193,7 +193,7 @@ def test_28_cascades_carry_the_exact_request_context() -> None:
     assert all(isinstance(e, Stored) and e.ctx is ctx for e in tier_events)
 
 
-def test_36_tier_filter_excludes_tiers_without_asking_them() -> None:
+def test_tier_filter_excludes_tiers_without_asking_them() -> None:
     world = World()
     secondary_only(world, [1])
     world.store([2], ReqContext("w"))
@@ -207,7 +207,7 @@ def test_36_tier_filter_excludes_tiers_without_asking_them() -> None:
     assert world.lookup([1], storage) == [RETRY]
 
 
-def test_37_works_with_no_secondary_tier() -> None:
+def test_works_with_no_secondary_tier() -> None:
     primary = PrimaryTier(4, LruPolicy(4))
     manager = TieringManager(primary)
     ctx = ReqContext("r")
