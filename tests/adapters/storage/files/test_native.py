@@ -73,9 +73,9 @@ def run_script(script: str, *args: str, **env: str) -> str:
 @pytest.fixture
 def reload_native() -> Iterator[None]:
     """A fresh load before and after the test (what it monkeypatches is not cached)."""
-    native._load.cache_clear()
+    native.forget()
     yield
-    native._load.cache_clear()
+    native.forget()
 
 
 def layout(fd: int, sizes: list[int], gaps: list[bool], host: MemoryHostBuffer) -> list[Block]:
@@ -292,12 +292,12 @@ def test_the_checksum_is_xxhash_s_entry_that_picks_the_cpu_s_vector_unit(
     if not hasattr(library, "XXH3_64bits_dispatch"):
         pytest.skip("this xxhash build has no dispatch entry (it dispatches on x86 only)")
     assert native.checksum_entry() == "XXH3_64bits_dispatch"
-    native._load.cache_clear()
+    native.forget()
     monkeypatch.setattr(native, "_SYMBOLS", ("XXH3_no_such_entry", "XXH3_64bits"))
     assert native.checksum_entry() == "XXH3_64bits"
     data = os.urandom(300_000)
     assert native.load().checksum(data) == xxhash.xxh3_64_intdigest(data)
-    native._load.cache_clear()
+    native.forget()
     monkeypatch.setattr(native, "_SYMBOLS", ("XXH3_no_such_entry",))
     with pytest.raises(native.NativeUnavailable, match="exports no XXH3_no_such_entry"):
         native.checksum_entry()

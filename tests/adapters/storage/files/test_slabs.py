@@ -216,7 +216,7 @@ def test_records_are_what_readers_see_and_close_lets_the_slab_go(
         monkeypatch.setattr(index.mmap, "mmap", refused)
     io = open_io(tmp_path)
     assert io.write_many(items(host, range(3))) == [None] * 3
-    table = next(iter(io._slabs.values())).table
+    (table,) = io.slot_tables()
     assert table.mapped is (how == "mapped")
     assert recorded(tmp_path) == sorted(key(i) for i in range(3))
     io.remove_many([key(1)])

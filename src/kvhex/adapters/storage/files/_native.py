@@ -22,7 +22,7 @@ from types import ModuleType
 
 import xxhash
 
-__all__ = ["NativeUnavailable", "checksum_entry", "load"]
+__all__ = ["NativeUnavailable", "checksum_entry", "forget", "load"]
 
 _API_VERSION = 2
 _CHECK_LENGTHS = (0, 1, 3, 16, 17, 128, 129, 240, 241, 1024, 4096 + 13, 1 << 20)
@@ -33,6 +33,12 @@ _SYMBOLS = ("XXH3_64bits_dispatch", "XXH3_64bits")
 
 class NativeUnavailable(Exception):
     """The native data path cannot run here; the message says why and what to do."""
+
+
+def forget() -> None:
+    """Drop the cached load, so the next :func:`load` binds the library again (a test that
+    changes what it may bind; a process that rebuilt the extension)."""
+    _load.cache_clear()
 
 
 @functools.cache

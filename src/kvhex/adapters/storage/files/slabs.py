@@ -492,6 +492,12 @@ class SlabIo:
         path, _, slot, base = found[key]
         return path, base + slot * self.slot_size
 
+    def slot_tables(self) -> list[SlotTable]:
+        """The slot table of each slab this instance holds open (``mapped``: written through
+        a memory map, else with ``pwrite``), for inspection: its records are what other
+        readers (fsck, peers) see."""
+        return [slab.table for slab in self._slabs.values()]
+
     def close(self) -> None:
         """Release the mover, then the slabs (their locks: a later instance may adopt
         them) and the peers' files. Idempotent."""
