@@ -11,8 +11,17 @@ from pathlib import Path
 import pytest
 
 from kvhex.adapters.memory import MemoryHostBuffer
-from kvhex.domain import JobId, JobKind, JobResult, Removed, ReqContext, Stored, TierJob
-from kvhex.domain.keys import OffloadKey, make_offload_key
+from kvhex.domain import (
+    JobId,
+    JobKind,
+    JobResult,
+    OffloadKey,
+    Removed,
+    ReqContext,
+    Stored,
+    TierJob,
+    make_offload_key,
+)
 from kvhex.errors import TierUnavailable
 from kvhex.ports import HostBuffer, TierStore
 from kvhex.testing import CrashContract, TierStoreContract

@@ -29,8 +29,6 @@ from kvhex.ports.event_sink import EventSink
 from kvhex.ports.host_buffer import HostBuffer
 from kvhex.ports.tier_store import TierStore
 
-__all__ = ["EntryPaths", "Plan", "build_sink", "build_tier", "plan_sink", "plan_tier"]
-
 
 @attrs.frozen
 class EntryPaths:

@@ -8,15 +8,6 @@ import math
 import sys
 from collections.abc import Callable
 
-__all__ = [
-    "EXIT_FAILED",
-    "EXIT_NOTHING",
-    "EXIT_OK",
-    "EXIT_USAGE",
-    "fail",
-    "positive",
-]
-
 EXIT_OK = 0
 EXIT_FAILED = 1
 """The command ran and what it found is wrong: corrupt blocks, failed tier writes, an

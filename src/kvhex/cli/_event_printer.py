@@ -7,8 +7,6 @@ import datetime
 import json
 from typing import Any, TextIO
 
-__all__ = ["SHORT_HASH", "EventPrinter"]
-
 SHORT_HASH = 16
 """Hex digits of a hash shown in text lines (``--json`` shows them whole)."""
 

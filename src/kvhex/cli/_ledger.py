@@ -31,8 +31,6 @@ import attrs
 
 from kvhex.adapters.events.wire import AllBlocksCleared, BlockRemoved, BlockStored
 
-__all__ = ["StreamLedger", "residency_label"]
-
 Residency = tuple[str | None, str | None, str | None, int | None]
 """(medium, locality, ownership, group_idx) of an event."""
 

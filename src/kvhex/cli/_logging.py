@@ -15,8 +15,6 @@ from typing import Any
 
 import structlog
 
-__all__ = ["FORMATS", "configure_logging"]
-
 FORMATS = ("text", "json")
 
 

@@ -32,8 +32,6 @@ from kvhex.ports.transfer import BlockTransfer
 from kvhex.sim.driver import Replay, RunReport, run_all
 from kvhex.sim.workload import Request
 
-__all__ = ["RUN_HASH_SCHEME", "RUN_HOST_LAYOUT", "Stack", "run_namespace"]
-
 log = structlog.get_logger(__name__)
 
 RUN_HASH_SCHEME = "kvhex-sim-1"

@@ -26,8 +26,6 @@ import attrs
 
 from kvhex.cli._args import EXIT_FAILED, EXIT_USAGE, positive
 
-__all__ = ["BENCHMARKS", "add_parser", "find_bench_dir", "interval_text", "main"]
-
 BENCHMARKS = ("primary_tier", "tiering", "events", "tiers", "gpu_transfer")
 """The scripts of ``bench/`` (without ``.py``), in the order they run."""
 

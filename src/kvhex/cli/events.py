@@ -29,8 +29,6 @@ from kvhex.adapters.events.endpoints import endpoint_problem, is_endpoint, refus
 from kvhex.cli._args import EXIT_FAILED, EXIT_NOTHING, EXIT_OK, fail, positive
 from kvhex.cli._event_printer import EventPrinter
 
-__all__ = ["add_parser", "main"]
-
 REPLAY_TIMEOUT_S = 5.0
 
 

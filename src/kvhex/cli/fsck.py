@@ -14,8 +14,6 @@ import json
 
 from kvhex.cli._args import EXIT_FAILED, EXIT_NOTHING, fail
 
-__all__ = ["add_parser", "main"]
-
 SHOWN = 10
 """Orphans listed without ``--verbose``."""
 

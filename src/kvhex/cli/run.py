@@ -38,8 +38,6 @@ from kvhex.errors import ConfigError
 if TYPE_CHECKING:
     from kvhex.sim.workload import Request
 
-__all__ = ["add_parser", "main"]
-
 MiB = 1 << 20
 GiB = 1 << 30
 DEFAULT_HOST_BYTES = 48 * MiB

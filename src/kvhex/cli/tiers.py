@@ -19,8 +19,6 @@ from kvhex.cli._args import EXIT_FAILED, EXIT_OK, fail
 from kvhex.errors import PluginError
 from kvhex.plugins import GROUPS, PluginSpec, Registry
 
-__all__ = ["PluginStatus", "add_parser", "main", "survey"]
-
 
 @attrs.frozen
 class PluginStatus:

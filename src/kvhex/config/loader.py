@@ -46,16 +46,6 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover - exercised on 3.10 only
     import tomli as tomllib
 
-__all__ = [
-    "load_config",
-    "load_vllm_config",
-    "load_vllm_tier",
-    "loads_json",
-    "loads_toml",
-    "make_converter",
-    "structure",
-]
-
 T = TypeVar("T")
 
 _UNIONS = (TIER_ENTRIES,)

@@ -23,32 +23,6 @@ from kvhex.domain.cost import LoadMode
 from kvhex.domain.tiers import Locality
 from kvhex.errors import ConfigError, ConfigIssue
 
-__all__ = [
-    "CHECKS",
-    "HINT",
-    "STORE_THRESHOLD_WITH_TIERS",
-    "BackpressureConfig",
-    "ByteCount",
-    "DeviceChoice",
-    "EventsConfig",
-    "KvhexConfig",
-    "NonEmptyStr",
-    "NonNegativeInt",
-    "Options",
-    "PluginName",
-    "PositiveInt",
-    "PrimaryConfig",
-    "RunConfig",
-    "SinkConfig",
-    "TaggedUnion",
-    "TierConfig",
-    "TierName",
-    "Unsupported",
-    "check_tier_name",
-    "duplicate_tier_names",
-    "empty_url",
-]
-
 PositiveInt = NewType("PositiveInt", int)
 """An ``int`` (not a ``bool``) greater than zero."""
 

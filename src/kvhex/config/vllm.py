@@ -38,22 +38,6 @@ from kvhex.config.model import (
 from kvhex.domain.tiers import Locality
 from kvhex.errors import ConfigError, ConfigIssue
 
-__all__ = [
-    "KVHEX_TIER_TYPE",
-    "SOURCE",
-    "TIER_ENTRIES",
-    "VLLM_READS",
-    "FsTierEntry",
-    "KvhexTierEntry",
-    "ObjStoreConfig",
-    "ObjTierEntry",
-    "VllmEngineOptions",
-    "VllmExtraConfig",
-    "VllmTierEntry",
-    "VllmTierOptions",
-    "tier_issues",
-]
-
 SOURCE = "kv_connector_extra_config"
 """What a ``ConfigError`` from vLLM's extra config names as its source."""
 

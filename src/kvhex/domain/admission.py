@@ -13,8 +13,6 @@ from collections.abc import Sequence
 
 from kvhex.domain.keys import OffloadKey
 
-__all__ = ["OfferTracker"]
-
 
 class OfferTracker:
     """Counts offers per key, bounded to ``max_size`` keys."""

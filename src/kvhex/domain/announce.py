@@ -42,8 +42,6 @@ from kvhex.domain.locator import ChunkRecord, Span, record_parent, span_parent, 
 from kvhex.domain.request import ReqContext
 from kvhex.domain.tiers import TierIdentity
 
-__all__ = ["Announcer"]
-
 _Parent = OffloadKey | None | bool
 """A key's parent: a key, ``None`` (the request's first chunk), ``False`` (unknown)."""
 

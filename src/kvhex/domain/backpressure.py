@@ -11,8 +11,6 @@ from typing import Protocol, runtime_checkable
 
 from kvhex.domain.jobs import JobResult
 
-__all__ = ["AdmissionPolicy", "AlwaysAdmit", "EmaBackpressure"]
-
 
 @runtime_checkable
 class AdmissionPolicy(Protocol):

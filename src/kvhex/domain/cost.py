@@ -33,16 +33,6 @@ from collections.abc import Sequence
 
 import attrs
 
-__all__ = [
-    "LoadMode",
-    "LoadPlan",
-    "PrefillRate",
-    "TierCost",
-    "TierEstimate",
-    "plan_fixed",
-    "plan_load",
-]
-
 
 class LoadMode(enum.Enum):
     """How a matched prefix held by secondary tiers is treated."""

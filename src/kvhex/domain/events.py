@@ -22,19 +22,6 @@ from kvhex.domain.locator import ChunkRecord
 from kvhex.domain.request import ReqContext
 from kvhex.domain.tiers import TierIdentity
 
-__all__ = [
-    "AllBlocksCleared",
-    "BlockRemoved",
-    "BlockStored",
-    "Cleared",
-    "EventBatch",
-    "ExternalHash",
-    "PublicEvent",
-    "Removed",
-    "Stored",
-    "TierEvent",
-]
-
 
 @attrs.frozen(slots=True)
 class Stored:

@@ -13,8 +13,6 @@ from typing import Any
 
 from kvhex.domain.provenance import Provenance
 
-__all__ = ["block_extra_keys", "chunk_extra_keys"]
-
 
 def chunk_extra_keys(
     prov: Provenance, start: int, end: int, step: int

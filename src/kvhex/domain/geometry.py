@@ -13,8 +13,6 @@ import enum
 
 import attrs
 
-__all__ = ["CacheKind", "KvGeometry", "KvGroup"]
-
 
 class CacheKind(enum.Enum):
     """A KV-cache group's kind, with vLLM's ``KVCacheSpecKind`` values."""

@@ -13,8 +13,6 @@ from collections.abc import Sequence
 
 import attrs
 
-__all__ = ["JOB_SECONDS_BUCKETS", "Histogram"]
-
 JOB_SECONDS_BUCKETS: tuple[float, ...] = (
     0.0001,
     0.0005,

@@ -17,8 +17,6 @@ from typing import NamedTuple, NewType
 from kvhex.domain.keys import OffloadKey
 from kvhex.domain.request import ReqContext
 
-__all__ = ["JobId", "JobKind", "JobResult", "TierJob"]
-
 JobId = NewType("JobId", int)
 
 

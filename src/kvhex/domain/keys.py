@@ -13,16 +13,6 @@ from typing import NewType
 
 from kvhex.errors import InvalidKeyError
 
-__all__ = [
-    "GROUP_IDX_BYTES",
-    "OffloadKey",
-    "check_key",
-    "make_offload_key",
-    "offload_key_group",
-    "offload_key_hash",
-    "unpack_offload_key",
-]
-
 GROUP_IDX_BYTES = 4
 _MAX_GROUP_IDX = (1 << (8 * GROUP_IDX_BYTES)) - 1
 

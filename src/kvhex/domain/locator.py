@@ -26,16 +26,6 @@ from kvhex.domain.keys import GROUP_IDX_BYTES, OffloadKey
 from kvhex.domain.provenance import Provenance
 from kvhex.domain.request import ReqContext
 
-__all__ = [
-    "ChunkRecord",
-    "Span",
-    "describe",
-    "record_of",
-    "record_parent",
-    "span_parent",
-    "spans",
-]
-
 
 class ChunkRecord(NamedTuple):
     """Stored chunks described in full: everything their ``BlockStored`` says but where and by

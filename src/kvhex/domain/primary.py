@@ -35,8 +35,6 @@ from kvhex.domain.slots import SlotPool
 from kvhex.domain.tiers import LookupResult, Medium, TierIdentity
 from kvhex.errors import InvalidKeyError, StateError
 
-__all__ = ["PrimaryStats", "PrimaryTier", "StorePlan"]
-
 _MISS = LookupResult.MISS
 _HIT = LookupResult.HIT
 _HIT_PENDING = LookupResult.HIT_PENDING

@@ -14,8 +14,6 @@ import attrs
 
 from kvhex.domain.geometry import KvGeometry
 
-__all__ = ["MmFeature", "Provenance"]
-
 
 @attrs.frozen(slots=True)
 class MmFeature:

@@ -17,8 +17,6 @@ from kvhex.domain.keys import OffloadKey
 from kvhex.domain.provenance import Provenance
 from kvhex.domain.tiers import TierFilter
 
-__all__ = ["ReqContext"]
-
 
 @attrs.define(eq=False, slots=True, weakref_slot=True)
 class ReqContext:

@@ -45,8 +45,6 @@ from kvhex.domain.policies.lru import LruPolicy
 from kvhex.domain.request import ReqContext
 from kvhex.domain.tiers import TierIdentity
 
-__all__ = ["Reservation", "Residency", "Snapshot"]
-
 
 class Snapshot:
     """Serials of the readable keys among those a job looks at, taken when it started.

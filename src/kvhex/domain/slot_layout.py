@@ -17,8 +17,6 @@ import attrs
 from kvhex.domain.transfer import TransferJob, TransferKind
 from kvhex.errors import TransferError
 
-__all__ = ["ByteRange", "ChunkRun", "SlotLayout"]
-
 
 class ChunkRun(NamedTuple):
     """Consecutive chunks of one KV group inside a job: what one planned copy step moves.

@@ -9,8 +9,6 @@ pages warm.
 
 from __future__ import annotations
 
-__all__ = ["SlotPool"]
-
 
 class SlotPool:
     """Free-slot bookkeeping for ``num_slots`` fixed-size host slots."""

@@ -15,16 +15,6 @@ from typing import ClassVar
 
 import attrs
 
-__all__ = [
-    "Locality",
-    "LookupResult",
-    "Medium",
-    "OffloadPolicy",
-    "TierFilter",
-    "TierIdentity",
-    "TierMatcher",
-]
-
 _MEDIUM_NAME = re.compile(r"[A-Z][A-Z0-9_]{0,63}")
 
 

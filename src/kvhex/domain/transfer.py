@@ -27,13 +27,6 @@ from typing import NamedTuple
 from kvhex.domain.jobs import JobId
 from kvhex.errors import TransferError
 
-__all__ = [
-    "TransferJob",
-    "TransferKind",
-    "TransferResult",
-    "check_submission",
-]
-
 
 class TransferKind(enum.Enum):
     """A transfer's direction."""

@@ -46,8 +46,6 @@ from kvhex.domain.locator import ChunkRecord, describe, spans
 from kvhex.domain.provenance import Provenance
 from kvhex.domain.tiers import TierIdentity
 
-__all__ = ["EventTranslator"]
-
 _BULK = 8
 """Hashes from which converting them all at once beats one by one."""
 _LITTLE_ENDIAN = sys.byteorder == "little"

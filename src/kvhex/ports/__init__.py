@@ -10,15 +10,18 @@ from kvhex.ports.capabilities import Closeable, TierHealth
 from kvhex.ports.event_sink import EventSink
 from kvhex.ports.events import EventSource
 from kvhex.ports.host_buffer import HostBuffer
-from kvhex.ports.tier_store import RequestAware, TierStore
+from kvhex.ports.tier_store import Deletes, Occupancy, PeerView, RequestAware, TierStore
 from kvhex.ports.transfer import BlockTransfer
 
 __all__ = [
     "BlockTransfer",
     "Closeable",
+    "Deletes",
     "EventSink",
     "EventSource",
     "HostBuffer",
+    "Occupancy",
+    "PeerView",
     "RequestAware",
     "TierHealth",
     "TierStore",

@@ -10,8 +10,6 @@ from __future__ import annotations
 
 from typing import Protocol, runtime_checkable
 
-__all__ = ["Closeable", "TierHealth"]
-
 
 @runtime_checkable
 class Closeable(Protocol):

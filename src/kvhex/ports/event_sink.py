@@ -6,8 +6,6 @@ from typing import Protocol, runtime_checkable
 
 from kvhex.domain.events import EventBatch
 
-__all__ = ["EventSink"]
-
 
 @runtime_checkable
 class EventSink(Protocol):

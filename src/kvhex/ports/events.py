@@ -6,8 +6,6 @@ from typing import Protocol, runtime_checkable
 
 from kvhex.domain.events import TierEvent
 
-__all__ = ["EventSource"]
-
 
 @runtime_checkable
 class EventSource(Protocol):

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 from typing import Protocol, runtime_checkable
 
-__all__ = ["HostBuffer"]
-
 
 @runtime_checkable
 class HostBuffer(Protocol):

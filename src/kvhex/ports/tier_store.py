@@ -26,8 +26,6 @@ from kvhex.domain.request import ReqContext
 from kvhex.domain.tiers import TierIdentity
 from kvhex.ports.events import EventSource
 
-__all__ = ["Deletes", "Occupancy", "PeerView", "RequestAware", "TierStore", "tier_identities"]
-
 
 @runtime_checkable
 class TierStore(EventSource, Protocol):

@@ -14,8 +14,6 @@ from typing import Protocol, runtime_checkable
 from kvhex.domain.jobs import JobId
 from kvhex.domain.transfer import TransferJob, TransferResult
 
-__all__ = ["BlockTransfer"]
-
 
 @runtime_checkable
 class BlockTransfer(Protocol):

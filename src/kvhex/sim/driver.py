@@ -34,8 +34,6 @@ from kvhex.ports.transfer import BlockTransfer
 from kvhex.service.engine import OffloadEngine
 from kvhex.sim.workload import Request, context
 
-__all__ = ["TIER_FAILURES", "Direction", "Replay", "RunReport", "run_all"]
-
 TIER_FAILURES = (
     "puts_failed",
     "gets_failed",

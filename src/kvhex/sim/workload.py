@@ -24,17 +24,6 @@ from kvhex.domain.provenance import MmFeature, Provenance
 from kvhex.domain.request import ReqContext
 from kvhex.errors import ConfigError, ConfigIssue
 
-__all__ = [
-    "CONVERSATIONS",
-    "MAX_TURNS",
-    "DeviceCache",
-    "Request",
-    "context",
-    "read_workload",
-    "synthetic_chat",
-    "synthetic_max_tokens",
-]
-
 VOCAB = 32_000
 _ROOT = b"\0" * 32
 _KNOWN = frozenset(

@@ -16,8 +16,6 @@ from kvhex.domain.keys import OffloadKey, make_offload_key
 from kvhex.domain.policies.base import EvictionPolicy
 from kvhex.domain.request import ReqContext
 
-__all__ = ["EvictionPolicyContract", "policy_key"]
-
 
 def policy_key(i: int) -> OffloadKey:
     """A distinct, well-formed 36-byte key for ``i``."""

@@ -17,8 +17,6 @@ from kvhex.ports.host_buffer import HostBuffer
 from kvhex.ports.tier_store import Deletes, TierStore
 from kvhex.testing.tier_kit import TierKit, describe_keys, replay, tier_key
 
-__all__ = ["Bench"]
-
 SAID = "replaying take_events()"
 
 

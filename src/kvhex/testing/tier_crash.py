@@ -37,8 +37,6 @@ from kvhex.testing.tier_bench import Bench
 from kvhex.testing.tier_kit import TierKit, describe_keys, tier_key
 from kvhex.testing.tier_writer import HOST_SLOTS, JOB_KEYS, Launcher, WriterPlan
 
-__all__ = ["CrashContract"]
-
 
 class CrashContract(TierKit):
     """Mix into the test class of a persistent tier next to ``TierStoreContract`` (see the

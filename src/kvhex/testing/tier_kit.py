@@ -21,8 +21,6 @@ from kvhex.domain.tiers import TierIdentity
 from kvhex.ports.host_buffer import HostBuffer
 from kvhex.ports.tier_store import Deletes, TierStore
 
-__all__ = ["NO_DELETE", "TierKit", "block_payload", "describe_keys", "tier_key", "tier_key_id"]
-
 NO_DELETE = (
     "the tier has no delete (kvhex.ports.tier_store.Deletes), so the checks of deletes do not apply"
 )

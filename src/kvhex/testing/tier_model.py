@@ -15,18 +15,6 @@ import attrs
 
 from kvhex.domain.jobs import JobKind
 
-__all__ = [
-    "Delete",
-    "Job",
-    "KeyModel",
-    "Poll",
-    "Step",
-    "Wait",
-    "describe",
-    "describe_ids",
-    "interleavings",
-]
-
 
 @attrs.frozen
 class Job:

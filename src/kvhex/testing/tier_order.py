@@ -33,8 +33,6 @@ from kvhex.testing.tier_model import (
     interleavings,
 )
 
-__all__ = ["OrderContract"]
-
 PUT, GET, PROBE = JobKind.PUT, JobKind.GET, JobKind.PROBE
 
 

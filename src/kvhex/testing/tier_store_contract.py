@@ -39,8 +39,6 @@ from kvhex.ports.tier_store import Deletes, TierStore
 from kvhex.testing.tier_kit import block_payload, describe_keys, replay, tier_key
 from kvhex.testing.tier_order import OrderContract
 
-__all__ = ["TierStoreContract"]
-
 _JOBS = ("submit_put", "submit_get", "submit_probe")
 _CALLS = ("poll", "drain", "close", "take_events")
 

@@ -26,8 +26,6 @@ from kvhex.domain.jobs import JobId, JobKind, TierJob
 from kvhex.ports.tier_store import Deletes
 from kvhex.testing.tier_kit import TierKit, tier_key
 
-__all__ = ["HOST_SLOTS", "JOB_KEYS", "Launcher", "WriterPlan"]
-
 HOST_SLOTS = 32
 """Host slots of a writer (and of the checks that reopen its tier)."""
 JOB_KEYS = 8

@@ -46,22 +46,6 @@ from vllm.v1.kv_offload import base as vbase
 from kvhex.domain import events as domain_events
 from kvhex.domain.geometry import CacheKind
 
-__all__ = [
-    "HASH_SCHEME",
-    "HOST_LAYOUT",
-    "RESET_FLUSH_STEPS",
-    "SIGNALS_RESET_FLUSHED",
-    "SUPPORTED",
-    "VLLM_VERSION",
-    "block_stored",
-    "connector_configs",
-    "group_kind",
-    "hash_lookahead_tokens",
-    "installed_version",
-    "manager_lock",
-    "quiet_events_tracker",
-]
-
 SUPPORTED: Final = ((0, 32), (0, 33))
 """The vLLM versions (major, minor) this adapter is tested against."""
 

@@ -16,6 +16,7 @@ from typing import Any
 import structlog
 
 from kvhex.bootstrap import TierSpec, assemble_engine, build_policy, build_tier, tier_options
+from kvhex.config.vllm import SOURCE
 from kvhex.domain.backpressure import AdmissionPolicy, AlwaysAdmit
 from kvhex.domain.geometry import KvGeometry
 from kvhex.domain.primary import PrimaryTier
@@ -25,15 +26,7 @@ from kvhex.plugins import Registry
 from kvhex.ports.host_buffer import HostBuffer
 from kvhex.ports.tier_store import TierStore
 from kvhex.service.engine import OffloadEngine
-from kvhex.vllm.settings import SOURCE, TierSettings, VllmSettings
-
-__all__ = [
-    "DEFAULT_OBJECT_CAPACITY",
-    "RegionHostBuffer",
-    "build_engine",
-    "build_tier_store",
-    "free_bytes",
-]
+from kvhex.vllm.settings import TierSettings, VllmSettings
 
 log = structlog.get_logger(__name__)
 

@@ -42,8 +42,6 @@ from kvhex.domain.geometry import CacheKind, KvGeometry, KvGroup
 from kvhex.vllm.compat import manager_lock, quiet_events_tracker
 from kvhex.vllm.manager import KvhexOffloadingManager
 
-__all__ = ["IDLE_STEP_WAIT_S", "KvhexOffloadingConnector", "geometry_of_groups"]
-
 PREFILL_MIN_TOKENS = 128
 """A step scheduling fewer tokens (decode steps) says little about prefill speed."""
 

@@ -36,17 +36,6 @@ from kvhex.domain.tiers import (
 )
 from kvhex.vllm.compat import block_stored
 
-__all__ = [
-    "LOOKUP",
-    "context_of",
-    "offloading_events",
-    "policy_of",
-    "provenance_of",
-    "tier_filter_of",
-    "vllm_events",
-    "vllm_locality",
-]
-
 log = structlog.get_logger(__name__)
 
 LOOKUP = {

@@ -59,8 +59,6 @@ from kvhex.vllm.convert import (
 )
 from kvhex.vllm.metrics import VllmMetrics, cache_hit_source
 
-__all__ = ["KvhexOffloadingManager"]
-
 _HIT, _MISS, _RETRY = LookupResult.HIT, LookupResult.MISS, LookupResult.RETRY
 
 

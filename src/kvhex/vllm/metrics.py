@@ -37,8 +37,6 @@ from kvhex.domain.tiers import Locality, Medium, TierIdentity
 from kvhex.service.engine import OffloadEngine
 from kvhex.service.stats import TieringStats
 
-__all__ = ["MAX_SAMPLES", "VllmMetrics", "cache_hit_source", "metric_definitions"]
-
 MAX_SAMPLES = 65_536
 """Histogram samples kept per metric between two payloads (vLLM asks every step; when it
 does not, later samples are dropped rather than kept without bound)."""

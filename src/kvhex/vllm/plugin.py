@@ -9,8 +9,6 @@ from kvhex's vLLM adapter until vLLM builds one of them.
 
 from __future__ import annotations
 
-__all__ = ["MODULE", "register"]
-
 MODULE = "kvhex.vllm"
 
 

@@ -19,17 +19,8 @@ import attrs
 from kvhex.bootstrap import EntryPaths
 from kvhex.config.loader import load_vllm_config, load_vllm_tier
 from kvhex.config.model import BackpressureConfig, LoadingConfig
-from kvhex.config.vllm import KVHEX_TIER_TYPE, SOURCE, FsTierEntry, ObjTierEntry, VllmTierEntry
+from kvhex.config.vllm import KVHEX_TIER_TYPE, FsTierEntry, ObjTierEntry, VllmTierEntry
 from kvhex.domain.tiers import Locality
-
-__all__ = [
-    "KVHEX_TIER_TYPE",
-    "SOURCE",
-    "TierSettings",
-    "VllmSettings",
-    "parse_settings",
-    "parse_tier",
-]
 
 
 @attrs.frozen

@@ -48,6 +48,7 @@ from vllm.v1.kv_offload.config import OffloadingConfig
 from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
 from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
 
+from kvhex.config.vllm import SOURCE
 from kvhex.domain.geometry import KvGeometry, KvGroup
 from kvhex.errors import ConfigError
 from kvhex.plugins import TRANSFERS, Registry
@@ -62,9 +63,7 @@ from kvhex.vllm.compat import (
 from kvhex.vllm.compose import RegionHostBuffer, build_engine
 from kvhex.vllm.manager import KvhexOffloadingManager
 from kvhex.vllm.metrics import metric_definitions
-from kvhex.vllm.settings import SOURCE, VllmSettings, parse_settings
-
-__all__ = ["RANDOM_HASH_ROOT", "KvhexOffloadingSpec", "geometry_of", "namespace_of"]
+from kvhex.vllm.settings import VllmSettings, parse_settings
 
 log = structlog.get_logger(__name__)
 

@@ -31,6 +31,7 @@ import structlog
 from vllm.v1.kv_offload import base as vbase
 from vllm.v1.kv_offload.tiering import base as vtier
 
+from kvhex.config.vllm import KVHEX_TIER_TYPE, SOURCE
 from kvhex.domain.jobs import JobId, JobKind, JobResult, TierJob
 from kvhex.domain.keys import OffloadKey
 from kvhex.domain.tiers import OffloadPolicy
@@ -47,9 +48,7 @@ from kvhex.vllm.convert import (
     policy_of,
     vllm_locality,
 )
-from kvhex.vllm.settings import KVHEX_TIER_TYPE, SOURCE, parse_tier
-
-__all__ = ["KvhexSecondaryTier"]
+from kvhex.vllm.settings import parse_tier
 
 log = structlog.get_logger(__name__)
 

@@ -54,8 +54,6 @@ from kvhex.errors import PluginError, TransferError
 from kvhex.plugins import TRANSFERS, Registry
 from kvhex.ports.transfer import BlockTransfer
 
-__all__ = ["CellHostBuffer", "KvhexCpuOffloadingWorker", "tensor_groups_of"]
-
 log = structlog.get_logger(__name__)
 
 

@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import errno
 
-__all__ = ["SCHEMES", "endpoint_problem", "is_endpoint", "refusal"]
-
 SCHEMES = ("tcp", "ipc", "inproc")
 """The transports a PUB, SUB, ROUTER or DEALER socket can use."""
 

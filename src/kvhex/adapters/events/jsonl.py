@@ -22,8 +22,6 @@ from typing import IO, Any
 from kvhex.domain.events import EventBatch, PublicEvent
 from kvhex.errors import ConfigError
 
-__all__ = ["JsonlEventSink", "event_to_json", "read_batches"]
-
 
 def _plain(value: Any) -> Any:
     if isinstance(value, bytes):

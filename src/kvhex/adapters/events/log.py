@@ -8,8 +8,6 @@ import structlog
 
 from kvhex.domain.events import BlockRemoved, BlockStored, EventBatch
 
-__all__ = ["StructlogEventSink"]
-
 log = structlog.get_logger(__name__)
 
 

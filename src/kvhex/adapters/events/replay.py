@@ -33,8 +33,6 @@ from kvhex.domain.events import (
     PublicEvent,
 )
 
-__all__ = ["ReplayLog"]
-
 _Block = tuple[Any, ...]
 """(medium, locality, ownership, group_idx, block hash)."""
 

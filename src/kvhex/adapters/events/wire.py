@@ -16,18 +16,6 @@ import msgspec
 
 from kvhex.domain import events as domain
 
-__all__ = [
-    "AllBlocksCleared",
-    "BlockRemoved",
-    "BlockStored",
-    "EventBatch",
-    "KVCacheEvent",
-    "KVEventBatch",
-    "decode_batch",
-    "encode_batch",
-    "to_wire",
-]
-
 ExternalBlockHash = bytes | int
 
 

@@ -34,8 +34,6 @@ from kvhex.adapters.events.wire import encode_batch
 from kvhex.domain.events import EventBatch
 from kvhex.errors import ConfigError
 
-__all__ = ["ZmqEventSink", "offset_endpoint"]
-
 log = structlog.get_logger(__name__)
 
 END_SEQ = (-1).to_bytes(8, "big", signed=True)

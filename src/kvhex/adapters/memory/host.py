@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-__all__ = ["MemoryHostBuffer"]
-
 
 class MemoryHostBuffer:
     """``num_slots`` x ``slot_bytes`` of ordinary host memory (a ``bytearray``)."""

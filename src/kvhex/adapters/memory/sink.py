@@ -4,8 +4,6 @@ from __future__ import annotations
 
 from kvhex.domain.events import EventBatch
 
-__all__ = ["MemoryEventSink"]
-
 
 class MemoryEventSink:
     """Keeps every published batch in a list (for tests and embedding)."""

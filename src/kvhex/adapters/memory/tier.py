@@ -20,8 +20,6 @@ from kvhex.domain.tiers import Locality, Medium, TierIdentity
 from kvhex.errors import TierUnavailable
 from kvhex.ports.host_buffer import HostBuffer
 
-__all__ = ["MemoryTierStore"]
-
 
 class _Queued:
     __slots__ = ("job", "polls_left", "state", "submitted")

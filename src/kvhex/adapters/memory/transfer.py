@@ -14,8 +14,6 @@ from kvhex.domain.transfer import TransferJob, TransferKind, TransferResult, che
 from kvhex.errors import TransferError
 from kvhex.ports.host_buffer import HostBuffer
 
-__all__ = ["MemoryBlockTransfer"]
-
 
 class MemoryBlockTransfer:
     """A ``BlockTransfer`` whose "device" KV caches are ``bytearray``s (pure Python).

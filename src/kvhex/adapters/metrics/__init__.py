@@ -1,1 +1,3 @@
 """Metrics adapters: an engine's counters exported to a monitoring system (``prometheus``)."""
+
+__all__: list[str] = []

@@ -26,8 +26,6 @@ from collections import deque
 from collections.abc import Callable, Iterable
 from typing import Any, Generic, TypeVar
 
-__all__ = ["IoPool", "IoTask", "TaskCancelled"]
-
 T = TypeVar("T")
 
 _UNSET: Any = None

@@ -28,8 +28,6 @@ from kvhex.domain.events import Removed, Stored, TierEvent
 from kvhex.domain.keys import OffloadKey
 from kvhex.domain.locator import ChunkRecord
 
-__all__ = ["BATCH", "Adoption", "described"]
-
 log = structlog.get_logger(__name__)
 
 BATCH = 1024

@@ -34,23 +34,6 @@ from kvhex.adapters.storage.format import Verdict
 from kvhex.domain.keys import OffloadKey
 from kvhex.domain.locator import ChunkRecord
 
-__all__ = [
-    "BlockIo",
-    "Inventory",
-    "Located",
-    "Locating",
-    "NamespaceConflict",
-    "ObjectMover",
-    "PeerListing",
-    "RecordReading",
-    "Records",
-    "SlotMover",
-    "StoreLost",
-    "oserror",
-    "safe_error",
-    "write_fully",
-]
-
 Located = tuple[str, int]
 """Where a block lives: a file or object, and the byte offset of its header."""
 

@@ -34,29 +34,6 @@ import xxhash
 
 from kvhex.domain.keys import OffloadKey
 
-__all__ = [
-    "CONFIG",
-    "DIGEST_OFFSET",
-    "HEADER",
-    "HEADER_AREA",
-    "LAYOUT_VERSION",
-    "MAGIC",
-    "MAX_HEADER_KEY_BYTES",
-    "Header",
-    "KeptRecord",
-    "Verdict",
-    "checksum",
-    "header_matches",
-    "holds_key",
-    "kept_record",
-    "namespace_config",
-    "namespace_digest",
-    "pack_header",
-    "parse_header",
-    "record_room",
-    "verify",
-]
-
 LAYOUT_VERSION = 4
 """4: local slabs publish their blocks in a slot table at their head (3 kept a shared SQLite
 index); 3: NIXL's object tier writes one object per block, in this format (2 wrote a payload

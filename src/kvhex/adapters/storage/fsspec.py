@@ -24,7 +24,6 @@ from kvhex.adapters.storage.files._native import NativeUnavailable
 from kvhex.adapters.storage.files.posix import PosixSlotMover
 from kvhex.adapters.storage.files.slabs import SlabIo
 from kvhex.adapters.storage.namespace import (
-    StoreOptions,
     check_sizes,
     default_io_threads,
     free_capacity,
@@ -34,13 +33,12 @@ from kvhex.adapters.storage.namespace import (
     open_namespace,
     recorded_namespace,
 )
+from kvhex.adapters.storage.objects._errors import StoreOptions
 from kvhex.adapters.storage.objects.io import ObjectIo
 from kvhex.adapters.storage.peers import check_peer_options
 from kvhex.adapters.storage.tier import BlockTierStore
 from kvhex.domain.tiers import Locality, Medium, TierIdentity
 from kvhex.ports.host_buffer import HostBuffer
-
-__all__ = ["FsspecTierStore"]
 
 
 class FsspecTierStore(BlockTierStore):

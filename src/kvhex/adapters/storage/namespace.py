@@ -27,20 +27,6 @@ from kvhex.adapters.storage.objects._errors import StoreOptions, public_url, sta
 from kvhex.errors import TierUnavailable
 from kvhex.ports.host_buffer import HostBuffer
 
-__all__ = [
-    "S3_CLIENT_CONFIG",
-    "StoreOptions",
-    "check_sizes",
-    "default_io_threads",
-    "free_bytes",
-    "free_capacity",
-    "io_root",
-    "make_root",
-    "open_fs",
-    "open_namespace",
-    "recorded_namespace",
-]
-
 IoT = TypeVar("IoT", bound=BlockIo)
 
 S3_CLIENT_CONFIG = {

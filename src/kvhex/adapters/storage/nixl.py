@@ -40,13 +40,13 @@ from kvhex.adapters.storage.block_io import Records
 from kvhex.adapters.storage.files.slabs import SlabIo
 from kvhex.adapters.storage.format import HEADER_AREA, pack_header
 from kvhex.adapters.storage.namespace import (
-    StoreOptions,
     check_sizes,
     default_io_threads,
     make_root,
     open_fs,
     open_namespace,
 )
+from kvhex.adapters.storage.objects._errors import StoreOptions
 from kvhex.adapters.storage.objects.io import ObjectIo
 from kvhex.adapters.storage.objects.s3_direct import REQUESTS_IN_FLIGHT
 from kvhex.adapters.storage.peers import check_peer_options
@@ -54,8 +54,6 @@ from kvhex.adapters.storage.tier import BlockTierStore
 from kvhex.domain.keys import OffloadKey
 from kvhex.domain.tiers import Locality, Medium, TierIdentity
 from kvhex.ports.host_buffer import HostBuffer
-
-__all__ = ["NixlObjectMover", "NixlSlotMover", "NixlTierStore", "obj_backend_threads", "settle"]
 
 T = TypeVar("T")
 

@@ -37,8 +37,6 @@ from kvhex.domain.keys import OffloadKey
 from kvhex.domain.locator import ChunkRecord, record_parent
 from kvhex.domain.tiers import TierIdentity
 
-__all__ = ["MAX_SCAN_INTERVAL_S", "PeerIo", "PeerScan", "check_peer_options", "parent_first"]
-
 log = structlog.get_logger(__name__)
 
 MAX_SCAN_INTERVAL_S = 3600.0

@@ -42,16 +42,6 @@ from kvhex.domain.keys import GROUP_IDX_BYTES, OffloadKey
 from kvhex.domain.locator import ChunkRecord, describe, spans
 from kvhex.domain.request import ReqContext
 
-__all__ = [
-    "MAX_DEPTH",
-    "VERSION",
-    "chunk_records",
-    "decode_record",
-    "encode_record",
-    "encode_records",
-    "header_record",
-]
-
 VERSION = 1
 MAX_DEPTH = 8
 """Deepest nesting of tuples in an extra key (vLLM's: a tuple of pairs, 2)."""

@@ -60,8 +60,6 @@ from kvhex.domain.tiers import TierIdentity
 from kvhex.errors import TierUnavailable
 from kvhex.ports.host_buffer import HostBuffer
 
-__all__ = ["BlockTierStore"]
-
 log = structlog.get_logger(__name__)
 
 T = TypeVar("T")

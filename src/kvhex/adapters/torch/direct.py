@@ -37,8 +37,6 @@ import torch
 from kvhex.domain.slot_layout import ChunkRun, SlotLayout
 from kvhex.domain.transfer import TransferJob
 
-__all__ = ["MERGE_CAP", "TASK_BYTES", "DirectCopier", "Task"]
-
 TASK_BYTES = 4 << 20
 """Copies go to the copy threads in tasks of up to this many bytes: small ones share a task,
 a bigger piece is split by tensors. Measured on 2 cores at 2 MiB chunks: 1 MiB tasks 0.77x,

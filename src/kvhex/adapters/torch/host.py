@@ -28,8 +28,6 @@ from typing import Any, cast
 import structlog
 import torch
 
-__all__ = ["TorchHostBuffer", "shm_path"]
-
 log = structlog.get_logger(__name__)
 
 

@@ -22,8 +22,6 @@ from kvhex.domain.slot_layout import ChunkRun, SlotLayout
 from kvhex.domain.transfer import TransferJob
 from kvhex.errors import TransferError
 
-__all__ = ["Span", "StagedCopier", "Staging", "block_bytes", "spans_of", "widest"]
-
 _WIDE = ((torch.int64, 8), (torch.int32, 4), (torch.int16, 2))
 
 

@@ -36,14 +36,6 @@ from kvhex.domain.transfer import TransferJob, TransferKind, TransferResult, che
 from kvhex.errors import TransferError
 from kvhex.ports.host_buffer import HostBuffer
 
-__all__ = [
-    "DEFAULT_STAGING_BYTES",
-    "MAX_COPY_THREADS",
-    "TensorHostBuffer",
-    "TorchBlockTransfer",
-    "default_copy_threads",
-]
-
 log = structlog.get_logger(__name__)
 
 DEFAULT_STAGING_BYTES = 64 << 20

@@ -22,8 +22,6 @@ from typing import Any
 
 from kvhex.domain.transfer import TransferKind
 
-__all__ = ["CopyWorkers", "Job"]
-
 Task = tuple[Any, ...]
 
 

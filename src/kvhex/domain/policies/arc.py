@@ -15,8 +15,6 @@ from collections.abc import Container, Iterator, Sequence
 from kvhex.domain.keys import OffloadKey
 from kvhex.domain.request import ReqContext
 
-__all__ = ["ArcPolicy"]
-
 _PENDING = 0
 _EVICTABLE = 1
 _PINNED = 2

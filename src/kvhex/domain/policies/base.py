@@ -20,8 +20,6 @@ from typing import Protocol, runtime_checkable
 from kvhex.domain.keys import OffloadKey
 from kvhex.domain.request import ReqContext
 
-__all__ = ["EvictionPolicy", "PolicyFactory"]
-
 
 @runtime_checkable
 class EvictionPolicy(Protocol):

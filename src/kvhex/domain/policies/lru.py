@@ -14,8 +14,6 @@ from collections.abc import Container, Sequence
 from kvhex.domain.keys import OffloadKey
 from kvhex.domain.request import ReqContext
 
-__all__ = ["LruPolicy"]
-
 _PENDING = 0
 _EVICTABLE = 1
 _PINNED = 2

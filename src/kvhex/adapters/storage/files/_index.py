@@ -42,24 +42,6 @@ from kvhex.adapters.storage.block_io import write_fully
 from kvhex.adapters.storage.format import CONFIG
 from kvhex.domain.keys import OffloadKey
 
-__all__ = [
-    "KNOWN_ENTRIES",
-    "MAX_KEY_BYTES",
-    "RECORD_BYTES",
-    "SLAB_DIR",
-    "TABLE_MAGIC",
-    "PeerTables",
-    "Record",
-    "SlotTable",
-    "TableError",
-    "is_slab_id",
-    "maps_tables",
-    "pack_record",
-    "read_table",
-    "start_table",
-    "table_bytes",
-]
-
 SLAB_DIR = "slabs"
 KNOWN_ENTRIES = frozenset({CONFIG, SLAB_DIR})
 """What a local namespace directory holds; anything else in it is foreign."""

@@ -22,8 +22,6 @@ from types import ModuleType
 
 import xxhash
 
-__all__ = ["NativeUnavailable", "checksum_entry", "forget", "load"]
-
 _API_VERSION = 2
 _CHECK_LENGTHS = (0, 1, 3, 16, 17, 128, 129, 240, 241, 1024, 4096 + 13, 1 << 20)
 """Lengths the bound checksum is compared at: each of XXH3's code paths."""

@@ -58,17 +58,6 @@ from kvhex.adapters.storage.format import (
 from kvhex.adapters.storage.records import decode_record
 from kvhex.domain.keys import OffloadKey
 
-__all__ = [
-    "BadRecord",
-    "BlockFinding",
-    "Finding",
-    "FsckReport",
-    "NamespaceReport",
-    "Orphan",
-    "check_namespace",
-    "check_root",
-]
-
 _HEX = frozenset("0123456789abcdef")
 
 

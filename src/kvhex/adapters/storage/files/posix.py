@@ -21,8 +21,6 @@ from kvhex.adapters.storage.files import _native
 from kvhex.adapters.storage.format import DIGEST_OFFSET, HEADER_AREA, pack_header
 from kvhex.domain.keys import OffloadKey
 
-__all__ = ["PosixSlotMover"]
-
 log = structlog.get_logger(__name__)
 
 _RUN_BLOCKS = 512

@@ -82,8 +82,6 @@ from kvhex.adapters.storage.records import header_record
 from kvhex.domain.keys import OffloadKey
 from kvhex.domain.locator import ChunkRecord
 
-__all__ = ["SLAB_BYTES", "SlabIo"]
-
 log = structlog.get_logger(__name__)
 
 

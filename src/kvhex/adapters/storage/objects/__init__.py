@@ -4,5 +4,3 @@
 the block checks), ``mover`` (the default mover: s3fs batches), ``s3_direct`` (the reads of
 an S3-compatible endpoint straight into the host slots) and ``_errors`` (what a failed
 store call means, named as its cause)."""
-
-__all__: list[str] = []

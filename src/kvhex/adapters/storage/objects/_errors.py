@@ -31,17 +31,6 @@ import attrs
 from kvhex.adapters.storage.block_io import StoreLost
 from kvhex.errors import TierUnavailable
 
-__all__ = [
-    "Cause",
-    "StoreFailure",
-    "StoreOptions",
-    "describe",
-    "job_error",
-    "public_url",
-    "start_up_error",
-    "store_error",
-]
-
 
 class Cause(enum.Enum):
     """Why a call to an object store failed."""

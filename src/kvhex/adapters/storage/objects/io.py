@@ -47,8 +47,6 @@ from kvhex.adapters.storage.records import header_record
 from kvhex.domain.keys import OffloadKey
 from kvhex.domain.locator import ChunkRecord
 
-__all__ = ["SUFFIX", "ObjectIo"]
-
 SUFFIX = ".blk"
 
 

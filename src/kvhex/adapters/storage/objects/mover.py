@@ -23,8 +23,6 @@ from kvhex.adapters.storage.objects._errors import store_error
 from kvhex.adapters.storage.objects.s3_direct import FALLBACK, REFUSED, DirectReader
 from kvhex.domain.keys import OffloadKey
 
-__all__ = ["REFUSED_JOBS", "FsspecObjectMover", "exists_paths"]
-
 log = structlog.get_logger(__name__)
 
 REFUSED_JOBS = 3

@@ -39,8 +39,6 @@ import structlog
 
 from kvhex.adapters.storage.format import HEADER_AREA
 
-__all__ = ["FALLBACK", "REFUSED", "DirectReader"]
-
 log = structlog.get_logger(__name__)
 
 FALLBACK = object()
