@@ -142,7 +142,7 @@ class Vllm:
         from vllm.v1.kv_offload import base
         from vllm.v1.request import Request
 
-        from kvhex.vllm.convert import provenance_of
+        from kvhex.vllm._convert import provenance_of
 
         envs.enable_envs_cache()  # as vLLM's EngineCore does once started
         self.version = vllm.__version__

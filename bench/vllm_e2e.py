@@ -44,7 +44,7 @@ from typing import Any
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 from _report import Report, parse
-from kvhex.vllm.compat import manager_lock
+from kvhex.vllm._compat import manager_lock
 
 BLOCK = 32
 # --quick (what the test runs) throttles the slow tier to 10x the recompute, not 3x: the

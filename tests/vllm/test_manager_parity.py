@@ -20,7 +20,7 @@ from vllm.v1.kv_offload.base import OffloadingEvent, ReqContext
 from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager
 
 from kvhex.vllm import KvhexOffloadingManager, KvhexOffloadingSpec
-from kvhex.vllm.compat import VLLM_VERSION
+from kvhex.vllm._compat import VLLM_VERSION
 from tests.vllm.helpers import PAGE, key, offloading_config
 
 

@@ -28,7 +28,7 @@ from kvhex.adapters.memory import MemoryTierStore
 from kvhex.adapters.storage.tier import BlockTierStore
 from kvhex.errors import ConfigError
 from kvhex.vllm import KvhexSecondaryTier, register
-from kvhex.vllm.compat import SIGNALS_RESET_FLUSHED
+from kvhex.vllm._compat import SIGNALS_RESET_FLUSHED
 from tests.vllm.helpers import PAGE, key, offloading_config
 
 STEP = ScheduleEndContext((), ())

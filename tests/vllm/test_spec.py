@@ -169,7 +169,7 @@ def test_promotions_wait_after_a_reset_until_vllm_reports_the_flush(
     waits for the second schedule end."""
     from vllm.v1.kv_offload.base import LookupResult, ScheduleEndContext
 
-    from kvhex.vllm.compat import RESET_FLUSH_STEPS, SIGNALS_RESET_FLUSHED
+    from kvhex.vllm._compat import RESET_FLUSH_STEPS, SIGNALS_RESET_FLUSHED
     from tests.vllm.helpers import key
 
     manager, ctx = _reset_with_a_copy_in_flight(tmp_path, managers, busy="store")
@@ -214,7 +214,7 @@ def test_a_second_reset_keeps_the_hold_an_earlier_one_still_owes(
     flight, but the first one's flush is still owed."""
     from vllm.v1.kv_offload.base import ScheduleEndContext
 
-    from kvhex.vllm.compat import RESET_FLUSH_STEPS, SIGNALS_RESET_FLUSHED
+    from kvhex.vllm._compat import RESET_FLUSH_STEPS, SIGNALS_RESET_FLUSHED
 
     manager, _ = _reset_with_a_copy_in_flight(tmp_path, managers, busy="store")
     manager.on_schedule_end(ScheduleEndContext((), ()))
@@ -230,7 +230,7 @@ def test_a_second_reset_keeps_the_hold_an_earlier_one_still_owes(
 
 
 def test_an_unsupported_vllm_version_is_refused_naming_the_supported_ones() -> None:
-    from kvhex.vllm.compat import VLLM_VERSION, installed_version
+    from kvhex.vllm._compat import VLLM_VERSION, installed_version
 
     assert VLLM_VERSION in {(0, 32), (0, 33)}
     assert installed_version("0.32.0+cpu") == (0, 32)

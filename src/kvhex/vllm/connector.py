@@ -39,7 +39,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import (
 )
 
 from kvhex.domain.geometry import CacheKind, KvGeometry, KvGroup
-from kvhex.vllm.compat import manager_lock, quiet_events_tracker
+from kvhex.vllm._compat import manager_lock, quiet_events_tracker
 from kvhex.vllm.manager import KvhexOffloadingManager
 
 PREFILL_MIN_TOKENS = 128

@@ -48,8 +48,8 @@ from kvhex.ports.host_buffer import HostBuffer
 from kvhex.ports.tier_store import TierStore
 from kvhex.service.engine import OffloadEngine
 from kvhex.service.stats import TieringStats
-from kvhex.vllm.compat import RESET_FLUSH_STEPS, SIGNALS_RESET_FLUSHED
-from kvhex.vllm.convert import (
+from kvhex.vllm._compat import RESET_FLUSH_STEPS, SIGNALS_RESET_FLUSHED
+from kvhex.vllm._convert import (
     LOOKUP,
     context_of,
     offloading_events,

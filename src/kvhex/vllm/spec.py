@@ -53,7 +53,7 @@ from kvhex.domain.geometry import KvGeometry, KvGroup
 from kvhex.errors import ConfigError
 from kvhex.plugins import TRANSFERS, Registry
 from kvhex.ports.tier_store import tier_identities
-from kvhex.vllm.compat import (
+from kvhex.vllm._compat import (
     HASH_SCHEME,
     HOST_LAYOUT,
     connector_configs,

@@ -40,14 +40,14 @@ from kvhex.plugins import Registry
 from kvhex.ports.tier_store import TierStore
 from kvhex.service.stats import TierStats
 from kvhex.service.tier_driver import TierDriver, loaded_keys
-from kvhex.vllm.compose import RegionHostBuffer, build_tier_store
-from kvhex.vllm.convert import (
+from kvhex.vllm._convert import (
     LOOKUP,
     context_of,
     offloading_events,
     policy_of,
     vllm_locality,
 )
+from kvhex.vllm.compose import RegionHostBuffer, build_tier_store
 from kvhex.vllm.settings import parse_tier
 
 log = structlog.get_logger(__name__)

@@ -1,5 +1,5 @@
 """Translations between vLLM's offloading types and kvhex's, in one place (the version
-differences they meet are :mod:`kvhex.vllm.compat`'s).
+differences they meet are :mod:`kvhex.vllm._compat`'s).
 
 * Request contexts: vLLM's ``ReqContext`` (a dataclass, not hashable, per request) carries
   kvhex's ``ReqContext`` in its per-request state (``set_state``), created on first sight.
@@ -34,7 +34,7 @@ from kvhex.domain.tiers import (
     TierIdentity,
     TierMatcher,
 )
-from kvhex.vllm.compat import block_stored
+from kvhex.vllm._compat import block_stored
 
 log = structlog.get_logger(__name__)
 
