@@ -9,12 +9,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from kvhex_counting_transfer import CountingBlockTransfer, Counts
 
 from kvhex.adapters.torch import TorchHostBuffer
 from kvhex.domain import JobId, TransferJob, TransferKind
 from kvhex.errors import TransferError
 from kvhex.ports import BlockTransfer
+from kvhex_counting_transfer import CountingBlockTransfer, Counts
 
 PAGE, BLOCKS, PER_CHUNK, LAYERS = 256, 16, 2, 2
 
