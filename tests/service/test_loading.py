@@ -58,7 +58,7 @@ def _offload(world: World, ids: list[int], *, tier: int | None = None) -> None:
 
 
 def _measured(world: World, tier: int, latency_s: float, per_byte: float) -> None:
-    cost = world.manager._tiers[tier].driver.get_cost
+    cost = world.manager.get_cost(tier)
     for n in (1, 2, 4, 8):
         cost.observe(n * SLOT_BYTES, latency_s + n * SLOT_BYTES * per_byte)
 
@@ -208,7 +208,7 @@ def test_real_gets_feed_the_tiers_cost_and_decisions_end_with_the_request() -> N
     _ask(world, [1, 2], ctx)  # unmeasured tier: loaded, which measures it
     world.step()
     _settle(world)
-    cost = world.manager._tiers[0].driver.get_cost
+    cost = world.manager.get_cost(0)
     assert cost.samples == 1
     estimate = cost.estimate()
     assert estimate is not None

@@ -2,12 +2,11 @@
 
 Store path (cascade): after a successful device -> host store, one put job per admitted
 secondary tier, the host slots pinned once per tier until that tier's job is polled. Load path
-(promotion): a secondary-tier hit reserves a host slot at lookup time (evicting if needed) and
-answers ``HIT_PENDING``; at step end one batched get per (tier, request) fills the slots; the
-keys become ``HIT`` once the job is polled. Tiers that cannot answer at once are probed
-asynchronously (``RETRY`` first). Each tier's own bookkeeping (jobs, probes, failed keys,
-counters, faults, its events, drain and close) is its ``TierDriver``'s, and load-or-recompute
-scans are the ``LoadDecider``'s; the manager applies the host side of each job.
+(promotion): a secondary-tier hit answers ``HIT_PENDING`` and is read into a reserved host slot
+at step end, by ``Promotions``. Tiers that cannot answer at once are probed asynchronously
+(``RETRY`` first). Each tier's own bookkeeping (jobs, probes, failed keys, counters, faults, its
+events, drain and close) is its ``TierDriver``'s, and load-or-recompute scans are the
+``LoadDecider``'s; the manager applies the host side of each job.
 
 Events: the manager builds none. ``take_events`` concatenates the primary tier's events, then
 each secondary tier's, in configured order: each tier owns the events of the storage it owns.
@@ -29,7 +28,7 @@ import attrs
 import structlog
 
 from kvhex.domain.backpressure import AdmissionPolicy, AlwaysAdmit, EmaBackpressure
-from kvhex.domain.cost import LoadMode
+from kvhex.domain.cost import LoadMode, TierCost
 from kvhex.domain.events import TierEvent
 from kvhex.domain.geometry import KvGeometry
 from kvhex.domain.jobs import JobId, JobKind, JobResult, TierJob
@@ -42,15 +41,16 @@ from kvhex.ports.capabilities import Closeable
 from kvhex.ports.host_buffer import HostBuffer
 from kvhex.ports.tier_store import TierStore
 from kvhex.service.loading import LoadDecider
+from kvhex.service.promotions import Promotions
 from kvhex.service.stats import EventStats, TieringStats
-from kvhex.service.tier_driver import TierDriver, loaded_keys
+from kvhex.service.tier_driver import TierDriver
 
 __all__ = ["TieringManager"]
 
 log = structlog.get_logger(__name__)
 
 _HIT, _MISS = LookupResult.HIT, LookupResult.MISS
-_PENDING, _RETRY = LookupResult.HIT_PENDING, LookupResult.RETRY
+_PENDING = LookupResult.HIT_PENDING
 
 
 @attrs.define(eq=False)
@@ -58,8 +58,6 @@ class _Tier:
     index: int
     driver: TierDriver
     admission: AdmissionPolicy
-    promotions: dict[ReqContext, tuple[list[OffloadKey], list[int]]] = attrs.field(factory=dict)
-    """This step's promotions (keys, reserved slots) per request, sent at step end."""
 
 
 @attrs.define(eq=False)
@@ -106,15 +104,21 @@ class TieringManager:
             name = names[i] if names else (store.identity.ownership or f"tier{i}")
             driver = TierDriver(store, name, probe_ids=self._new_job_id)
             self._tiers.append(_Tier(i, driver, make_admission(i)))
-        self._origins: dict[ReqContext, dict[OffloadKey, _Tier]] = {}
         self._loading = loading or LoadDecider(LoadMode.OFF)
-        self._scanning = self._loading.active and bool(self._tiers)
         self._scans = self._loading.open_scans  # read-only, live: tested per host hit
         self._host_hits = 0  # up to the last step end (this step's: _hits_this_step)
         self._host_misses = 0
         self._requests: dict[ReqContext, _Request] = {}
         self._hits_this_step: set[OffloadKey] = set()
         self._remember_hit = self._hits_this_step.add
+        self._promotions = Promotions(
+            primary,
+            [t.driver for t in self._tiers],
+            self._loading,
+            protect=self._hits_this_step,
+            new_job_id=self._new_job_id,
+        )
+        self._lookup_tiers = self._promotions.lookup
         index, self._refs = primary.read_view()
         self._index_get = index.get
         self._polled = False
@@ -142,52 +146,13 @@ class TieringManager:
             self._remember_hit(key)
             return _HIT
         self._host_misses += 1
-        if not self._tiers:
-            return _MISS
-        retry = False
-        allows = ctx.tier_filter.allows
-        for tier in self._tiers:
-            identity = tier.driver.identity
-            if not allows(identity.medium, identity.locality):
-                continue
-            answer = tier.driver.lookup(key, ctx)
-            if answer is _HIT:
-                if self._scanning:  # load decisions: as decided, or planned at step end
-                    answer = self._loading.note_tier(key, ctx, tier.index)
-                return self._start_promotion(tier, key, ctx) if answer is _HIT else answer
-            if answer is _RETRY:
-                retry = True
-        if self._scanning:
-            self._loading.close_scan(ctx, probing=retry)
-        return _RETRY if retry else _MISS
-
-    def _plan_scans(self) -> None:
-        """Step end: plan every complete scan; promote what it loads (the rest is refused)."""
-        slot_bytes = self.slot_bytes
-        estimates = [t.driver.get_estimate(slot_bytes) for t in self._tiers]
-        for ctx, key, index in self._loading.plan_scans(estimates, slot_bytes):
-            self._start_promotion(self._tiers[index], key, ctx)
-
-    def _start_promotion(self, tier: _Tier, key: OffloadKey, ctx: ReqContext) -> LookupResult:
-        plan = self._primary.prepare_store([key], ctx, protect=self._hits_this_step)
-        if plan is None or not plan.keys:
-            tier.driver.count_no_room()
-            return _MISS
-        keys, slots = tier.promotions.setdefault(ctx, ([], []))
-        keys.append(key)
-        slots.append(plan.slots[0])
-        if (origins := self._origins.get(ctx)) is None:
-            origins = self._origins[ctx] = {}
-        origins[key] = tier
-        return _PENDING
+        return self._lookup_tiers(key, ctx) if self._tiers else _MISS
 
     def load_source(self, key: OffloadKey, ctx: ReqContext) -> TierIdentity | None:
         """The secondary tier whose promotion brought ``key`` into host memory for ``ctx``
         (asked after a lookup answered ``HIT``), or ``None``: host memory held it already, or
         the promotion failed. Known until the request is finalized or the engine reset."""
-        origins = self._origins.get(ctx)
-        tier = origins.get(key) if origins is not None else None
-        return tier.driver.identity if tier is not None else None
+        return self._promotions.source(key, ctx)
 
     def lookup_host(self, key: OffloadKey) -> LookupResult:
         """``key`` in host memory alone (no tier asked, no promotion, nothing counted)."""
@@ -313,10 +278,10 @@ class TieringManager:
         if not request.finished or request.pending_stores > 0 or request.parked:
             return
         ctx = request.ctx
-        if any(ctx in tier.promotions for tier in self._tiers):
+        if self._promotions.waiting(ctx):
             return  # its promotions go out at step end; then tiers hear "finished"
         del self._requests[ctx]
-        self._origins.pop(ctx, None)
+        self._promotions.forget(ctx)
         self._loading.forget(ctx)
         for tier in self._tiers:
             tier.driver.on_request_finished(ctx)
@@ -329,14 +294,10 @@ class TieringManager:
             self._poll()
         self._polled = False
         if self._scans:
-            self._plan_scans()
+            self._promotions.plan(self.slot_bytes)
         self._host_hits += len(self._hits_this_step)
         self._hits_this_step.clear()
-        for tier in self._tiers:
-            for ctx, (keys, slots) in tier.promotions.items():
-                job = TierJob(self._new_job_id(), JobKind.GET, tuple(keys), tuple(slots), ctx)
-                self._submit(tier, job)
-            tier.promotions.clear()
+        self._promotions.send()
         for request in list(self._requests.values()):
             if request.parked:
                 parked, request.parked = request.parked, []
@@ -356,14 +317,8 @@ class TieringManager:
         if job.kind is JobKind.PUT:
             self._primary.unpin(job.keys)
             tier.admission.on_completed(result)
-            return
-        loaded, failed = loaded_keys(job, result)  # either may be empty: a no-op then
-        if failed and job.ctx is not None and (origins := self._origins.get(job.ctx)):
-            for key in failed:
-                if origins.get(key) is tier:
-                    del origins[key]
-        self._primary.complete_store(loaded, job.ctx, True)
-        self._primary.complete_store(failed, job.ctx, False)
+        else:
+            self._promotions.finish(tier.index, job, result)
 
     # -- events, state, stats ------------------------------------------------------------
     def take_events(self) -> list[TierEvent]:
@@ -376,7 +331,7 @@ class TieringManager:
 
     def has_pending_work(self) -> bool:
         """True while jobs are in flight or step-end work is queued (keep stepping)."""
-        tiers = any(t.promotions or t.driver.has_pending_work() for t in self._tiers)
+        tiers = self._promotions.queued or any(t.driver.has_pending_work() for t in self._tiers)
         return tiers or any(r.parked for r in self._requests.values())
 
     def reset(self) -> int:
@@ -395,14 +350,12 @@ class TieringManager:
             names = ",".join(sorted(t.driver.name for t in self._tiers if t.driver.in_flight))
             raise TierError(f"{unreported} jobs still unreported after drain", tier=names)
         host = self._primary.stats()  # tiers drained: every pin left is a device load's
-        reserved = sum(len(keys) for t in self._tiers for keys, _ in t.promotions.values())
-        device_busy = host.pending - reserved + host.pinned
+        device_busy = host.pending - self._promotions.reserved + host.pinned
         self._host_hits += len(self._hits_this_step)
         self._hits_this_step.clear()
-        self._origins.clear()
+        self._promotions.clear()
         self._loading.clear()
         for tier in self._tiers:
-            tier.promotions.clear()
             tier.driver.clear()
             tier.admission.reset()
         for request in list(self._requests.values()):
@@ -450,8 +403,7 @@ class TieringManager:
     def set_load_mode(self, mode: LoadMode) -> None:
         """Switch load-or-recompute decisions (``OFF`` promotes every hit at its first
         lookup); decisions already taken for active requests stand."""
-        self._loading.set_mode(mode)
-        self._scanning = self._loading.active and bool(self._tiers)
+        self._promotions.set_load_mode(mode)
 
     def set_geometry(self, geometry: KvGeometry | None) -> None:
         """Load decisions count the tokens a key saves from ``geometry`` from now on."""
@@ -460,6 +412,11 @@ class TieringManager:
     def observe_prefill(self, tokens: int, seconds: float) -> None:
         """The host engine computed ``tokens`` tokens in ``seconds`` (one step)."""
         self._loading.observe_prefill(tokens, seconds)
+
+    def get_cost(self, index: int) -> TierCost:
+        """Secondary tier ``index``'s fitted cost of gets (live: load decisions read it; an
+        operator or a test reads it, or seeds it with ``observe``)."""
+        return self._tiers[index].driver.get_cost
 
     @property
     def tier_stores(self) -> tuple[TierStore, ...]:
