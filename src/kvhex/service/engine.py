@@ -32,8 +32,6 @@ from kvhex.service.events import EventPipeline
 from kvhex.service.stats import TieringStats
 from kvhex.service.tiering import TieringManager
 
-__all__ = ["OffloadEngine", "announcer_for"]
-
 
 def announcer_for(tiers: Iterable[TierStore], owned: Collection[TierIdentity] = ()) -> Announcer:
     """The announcer of an engine over ``tiers``: each tier announced with its medium and

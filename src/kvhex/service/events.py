@@ -13,8 +13,6 @@ from kvhex.domain.translate import EventTranslator
 from kvhex.ports.event_sink import EventSink
 from kvhex.service.stats import EventStats, SinkStats
 
-__all__ = ["EventPipeline"]
-
 log = structlog.get_logger(__name__)
 
 

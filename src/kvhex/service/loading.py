@@ -33,8 +33,6 @@ from kvhex.domain.request import ReqContext
 from kvhex.domain.tiers import LookupResult
 from kvhex.service.stats import LoadStats
 
-__all__ = ["LoadDecider", "Scan"]
-
 _HIT, _MISS, _RETRY = LookupResult.HIT, LookupResult.MISS, LookupResult.RETRY
 
 

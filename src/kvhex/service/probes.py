@@ -18,8 +18,6 @@ from kvhex.domain.keys import OffloadKey
 from kvhex.domain.request import ReqContext
 from kvhex.domain.tiers import LookupResult
 
-__all__ = ["ProbeCache"]
-
 
 class _Phase(enum.Enum):
     QUEUED = 1

@@ -19,8 +19,6 @@ from kvhex.domain.jobs import JobKind
 from kvhex.domain.primary import PrimaryStats
 from kvhex.domain.tiers import Medium
 
-__all__ = ["EventStats", "LoadStats", "SinkStats", "TierStats", "TieringStats"]
-
 
 @attrs.define
 class TierStats:

@@ -38,8 +38,6 @@ from kvhex.ports.tier_store import Occupancy, RequestAware, TierStore
 from kvhex.service.probes import ProbeCache
 from kvhex.service.stats import TierStats
 
-__all__ = ["TierDriver", "loaded_keys"]
-
 log = structlog.get_logger(__name__)
 
 _PUT, _GET, _PROBE = JobKind.PUT, JobKind.GET, JobKind.PROBE

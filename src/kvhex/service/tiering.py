@@ -45,8 +45,6 @@ from kvhex.service.promotions import Promotions
 from kvhex.service.stats import EventStats, TieringStats
 from kvhex.service.tier_driver import TierDriver
 
-__all__ = ["TieringManager"]
-
 log = structlog.get_logger(__name__)
 
 _HIT, _MISS = LookupResult.HIT, LookupResult.MISS
