@@ -89,6 +89,12 @@ def test_the_registry_finds_loads_and_builds_the_sqlite_tier(
     with pytest.raises(ConfigError) as info:
         build_tier("sqlite", host, registry, {"path": "x", "capacity": 5}, path="$.tiers[0]")
     assert set(info.value.paths) == {"$.tiers[0].capacity", "$.tiers[0].capacity_bytes"}
+    # a file it cannot open: the tier blames its own option, reported at that option's key
+    unusable = {"path": "/proc/kvhex-no-such/kv.sqlite", "capacity_bytes": 1 << 20}
+    with pytest.raises(ConfigError) as info:
+        build_tier("sqlite", host, registry, unusable, path="$.tiers[0]")
+    assert info.value.paths == ("$.tiers[0].path",)
+    assert "cannot open /proc/kvhex-no-such/kv.sqlite" in str(info.value)
 
 
 def _run(site: Path, config: Path) -> dict[str, Any]:

@@ -8,8 +8,6 @@ in vLLM with no vLLM-specific code.
 
 from __future__ import annotations
 
-import os
-import shutil
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -80,17 +78,6 @@ class RegionHostBuffer:
         release, self._release = self._release, None
         if release is not None:
             release()
-
-
-def free_bytes(path: str) -> int:
-    """Free bytes on the filesystem that holds ``path`` (or its nearest existing parent)."""
-    probe = os.path.abspath(path)
-    while not os.path.exists(probe):
-        parent = os.path.dirname(probe)
-        if parent == probe:
-            break
-        probe = parent
-    return shutil.disk_usage(probe).free
 
 
 def build_tier_store(

@@ -121,7 +121,9 @@ class SqliteTierStore:
             os.close(os.open(path, os.O_RDWR | os.O_CREAT, 0o600))  # sqlite would make it 0644
             db = sqlite3.connect(path, timeout=0, check_same_thread=False)
         except (OSError, sqlite3.Error) as exc:
-            raise TierUnavailable(f"cannot open {path}: {exc}", tier=self._name) from exc
+            raise TierUnavailable(
+                f"cannot open {path}: {exc}", tier=self._name, option="path"
+            ) from exc
         try:
             db.execute("PRAGMA locking_mode = EXCLUSIVE")  # no other process, from now on
             db.execute("PRAGMA journal_mode = WAL")  # + synchronous NORMAL: survives a crash intact
@@ -132,14 +134,16 @@ class SqliteTierStore:
             (recorded,) = db.execute("SELECT value FROM meta WHERE name = 'config'").fetchone()
             if recorded != meta:
                 problem = f"{path} holds blocks of another namespace: {recorded}"
-                raise TierUnavailable(problem, tier=self._name)
+                raise TierUnavailable(problem, tier=self._name, option="path")
             rows = db.execute("SELECT key FROM blocks ORDER BY rowid").fetchall()  # oldest first
             over = self._index.adopt(OffloadKey(key) for (key,) in rows)  # announced once
             with db:  # what a smaller capacity no longer holds
                 db.executemany(_DELETE, [(k,) for k in over])
         except sqlite3.Error as exc:
             db.close()
-            raise TierUnavailable(f"cannot use {path}: {exc}", tier=self._name) from exc
+            raise TierUnavailable(
+                f"cannot use {path}: {exc}", tier=self._name, option="path"
+            ) from exc
         except TierUnavailable:
             db.close()
             raise
