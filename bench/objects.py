@@ -1,9 +1,10 @@
 """Object-store throughput: kvhex's S3 tiers beside vLLM 0.33's own object tier, same server.
 
-For each chunk size (``--chunk-kib``: 2 MiB and 256 KiB by default), ``--total-mib`` (512 MiB
-by default) go host -> store (put) and store -> host (get) through three tiers talking to one
-loopback S3 server (moto, in a process of its own, as S3 is; its speed, not S3's, bounds every
-side):
+For each server (``--server``: SeaweedFS, a real S3 server in Go, and moto, a Python
+imitation; both by default) and chunk size (``--chunk-kib``: 2 MiB and 256 KiB by default),
+``--total-mib`` (512 MiB by default) go host -> store (put) and store -> host (get) through
+three tiers talking to one loopback S3 server in a process of its own, as S3 is (its speed, not
+S3's, bounds every side):
 
 * the baseline, vLLM's ``ObjectStoreSecondaryTierManager`` (tier type ``obj``: NIXL's OBJ
   backend), built by vLLM's ``SecondaryTierFactory`` on a real host buffer of up to 256
@@ -59,7 +60,7 @@ from collections.abc import Callable
 from typing import Any
 
 from _report import Report, add_chunk_sizes, add_repeats, parse, summarize
-from _s3 import LoopbackS3, start_loopback_s3
+from _s3 import LoopbackS3, start_loopback_s3, start_seaweedfs
 from kvhex.adapters.memory import MemoryHostBuffer
 from kvhex.adapters.storage.nixl import obj_backend_threads
 from kvhex.adapters.storage.objects.s3_direct import REQUESTS_IN_FLIGHT
@@ -78,6 +79,8 @@ BUCKET = "bench"
 BASELINE = "vLLM 0.33 obj tier (NIXL OBJ), same server"
 ACCESS = {"key": "bench", "secret": "bench-secret"}
 NAMES = {"s3": "kvhex s3 (fsspec tier)", "nixl": "kvhex nixl (nixl tier, OBJ)"}
+SERVERS = {"seaweedfs": "SeaweedFS 4.48 (weed mini)", "moto": "moto"}
+"""``--server`` choices, in the order ``both`` runs them."""
 WHERE_VLLM = (
     "vllm: not importable here ({why}); the baseline, vLLM 0.33's obj tier, runs in "
     ".venv-vllm (make vllm-test builds it): .venv-vllm/bin/python bench/objects.py. "
@@ -324,7 +327,7 @@ def timed(fn: Callable[[], None], nbytes: int, server: LoopbackS3) -> tuple[floa
 
 
 def one_size(
-    chunk: int, sides: list[str], args: argparse.Namespace, with_vllm: bool
+    chunk: int, sides: list[str], args: argparse.Namespace, with_vllm: bool, kind: str
 ) -> dict[str, float]:
     """Median GB/s of every side and direction, and the median per-pass ratios to vLLM."""
     import s3fs
@@ -333,7 +336,10 @@ def one_size(
     n = max(1, total // chunk)
     nbytes = n * chunk
     rows = min(n, MAX_SLOTS)
-    server = start_loopback_s3(args.server_latency_ms / 1000)
+    if kind == "seaweedfs":
+        server = start_seaweedfs(ACCESS["key"], ACCESS["secret"])
+    else:
+        server = start_loopback_s3(args.server_latency_ms / 1000)
     endpoint = f"http://127.0.0.1:{server.port}"
     fs = s3fs.S3FileSystem(
         **ACCESS, endpoint_url=endpoint, use_listings_cache=False, skip_instance_cache=True
@@ -400,6 +406,12 @@ def main() -> None:
         help="MiB each side puts and gets per pass and chunk size (moto holds one pass)",
     )
     parser.add_argument("--tiers", default="s3,nixl", help="kvhex tiers: s3, nixl or both")
+    parser.add_argument(
+        "--server",
+        choices=[*SERVERS, "both"],
+        default="both",
+        help="the S3 server: seaweedfs (real), moto (an imitation) or both (default)",
+    )
     parser.add_argument("--batch", type=int, default=16, help="chunks per job, every side")
     parser.add_argument(
         "--io-threads",
@@ -411,7 +423,7 @@ def main() -> None:
         "--server-latency-ms",
         type=_latency,
         default=0.0,
-        help="hold every request this long before the server answers (default 0: loopback)",
+        help="hold every moto request this long before it is answered (default 0: loopback)",
     )
     add_chunk_sizes(parser)
     add_repeats(parser)
@@ -421,13 +433,17 @@ def main() -> None:
     unknown = set(sides) - set(NAMES)
     if unknown:
         parser.error(f"--tiers: unknown {', '.join(sorted(unknown))} (s3, nixl)")
+    servers = list(SERVERS) if args.server == "both" else [args.server]
+    if args.server_latency_ms and servers != ["moto"]:
+        parser.error("--server-latency-ms: moto only (add --server moto)")
     missing = vllm_missing()
     with_vllm = missing is None
     t, b = args.io_threads, args.batch
     latency = args.server_latency_ms
     report.say(
         f"objects: {args.total_mib} MiB each way per pass, {b} chunks per job, "
-        f"{args.repeats} passes, moto on loopback in its own process"
+        f"{args.repeats} passes, on loopback in a process of its own: "
+        + ", then ".join(SERVERS[kind] for kind in servers)
         + (f", every request held {latency:g} ms before it is served" if latency else "")
     )
     if with_vllm:
@@ -450,30 +466,45 @@ def main() -> None:
             f"(up to {t * min(b, obj_backend_threads(t))} requests in flight)"
         )
     head = f"{'tier':<6}{'chunk':>9}{'put GB/s':>10}{'vllm':>8}{'ratio':>7}{'95% CI':>12}"
-    report.say(head + f"{'get GB/s':>10}{'vllm':>8}{'ratio':>7}{'95% CI':>12}")
-    for chunk in args.chunk_kib:
-        label = f"{chunk // 1024} KiB"
-        r = one_size(chunk, sides, args, with_vllm)
-        for side in sides:
-            report.say(_line(side, label, r))
-            for direction in ("put", "get"):
-                report.row(
-                    f"{side} {label} {direction}",
-                    r[f"{side} {direction}"],
-                    r.get(f"vllm {direction}"),
-                    unit="GB/s",
-                    baseline_name=BASELINE,
-                    better="higher",
-                    ratio=r.get(f"{side} ratio {direction}"),
-                    interval=(
-                        r.get(f"{side} ratio {direction} low"),
-                        r.get(f"{side} ratio {direction} high"),
-                    ),
-                )
-        busy = _server_line(["vllm", *sides] if with_vllm else sides, r)
-        if busy:
-            report.say(busy)
+    for kind in servers:
+        report.say(f"server: {SERVERS[kind]}")
+        report.say(head + f"{'get GB/s':>10}{'vllm':>8}{'ratio':>7}{'95% CI':>12}")
+        for chunk in args.chunk_kib:
+            _one_chunk(report, kind, chunk, sides, args, with_vllm=with_vllm)
     report.finish()
+
+
+def _one_chunk(
+    report: Report,
+    kind: str,
+    chunk: int,
+    sides: list[str],
+    args: argparse.Namespace,
+    *,
+    with_vllm: bool,
+) -> None:
+    """Measure one chunk size on one server and report its lines and rows."""
+    label = f"{chunk // 1024} KiB"
+    r = one_size(chunk, sides, args, with_vllm, kind)
+    for side in sides:
+        report.say(_line(side, label, r))
+        for direction in ("put", "get"):
+            report.row(
+                f"{kind} {side} {label} {direction}",
+                r[f"{side} {direction}"],
+                r.get(f"vllm {direction}"),
+                unit="GB/s",
+                baseline_name=BASELINE,
+                better="higher",
+                ratio=r.get(f"{side} ratio {direction}"),
+                interval=(
+                    r.get(f"{side} ratio {direction} low"),
+                    r.get(f"{side} ratio {direction} high"),
+                ),
+            )
+    busy = _server_line(["vllm", *sides] if with_vllm else sides, r)
+    if busy:
+        report.say(busy)
 
 
 def _latency(text: str) -> float:

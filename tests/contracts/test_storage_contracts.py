@@ -3,8 +3,9 @@ checks, and the crash contract (writer processes killed with SIGKILL, then the t
 ``kvhex fsck`` must find local roots clean after every recovery).
 
 The file and NIXL POSIX tiers run on a fresh directory per check, the S3 and NIXL OBJ tiers
-on a fresh bucket of the loopback S3 server (tests/adapters/conftest.py). Object stores are
-slower per request: their classes run fewer and smaller racy trials and crash cycles.
+on a fresh bucket of the session's SeaweedFS, a real S3 server on loopback
+(tests/adapters/conftest.py). Object stores are slower per request: their classes run fewer
+and smaller racy trials and crash cycles.
 """
 
 from __future__ import annotations
@@ -59,7 +60,7 @@ class _Local:
 
 
 class _Bucket:
-    """A fresh bucket of the loopback S3 server per check. An object store announces the
+    """A fresh bucket of the session's SeaweedFS per check. An object store announces the
     blocks it adopts at start-up once their records are read, after start-up: the kit reads
     a reopened tier's events at once, so the factories hand it over with them announced."""
 

@@ -27,14 +27,14 @@ if not _VLLM.startswith("0.33"):
         "compares with vLLM 0.33's obj tier: make vllm-test runs this in .venv-vllm",
         allow_module_level=True,
     )
-for _module, _extra in (("nixl_cu12", "nixl"), ("s3fs", "s3"), ("moto", "test")):
+for _module, _extra in (("nixl_cu12", "nixl"), ("s3fs", "s3"), ("moto", "test"), ("boto3", "test")):
     if importlib.util.find_spec(_module) is None:
         pytest.skip(f"needs {_module}: pip install 'kvhex[{_extra}]'", allow_module_level=True)
 
 BENCH = Path(__file__).parent.parent.parent / "bench" / "objects.py"
 
 
-def test_objects_bench_compares_both_kvhex_tiers_with_vllms_obj_tier() -> None:
+def test_objects_bench_compares_both_kvhex_tiers_with_vllms_obj_tier_on_both_servers() -> None:
     done = subprocess.run(
         [sys.executable, str(BENCH), "--quick", "--json"],
         capture_output=True,
@@ -47,7 +47,8 @@ def test_objects_bench_compares_both_kvhex_tiers_with_vllms_obj_tier() -> None:
     assert document["bench"] == "objects"
     rows = {row["case"]: row for row in document["rows"]}
     assert list(rows) == [
-        f"{tier} {chunk} {direction}"
+        f"{server} {tier} {chunk} {direction}"
+        for server in ("seaweedfs", "moto")
         for chunk in ("2048 KiB", "256 KiB")
         for tier in ("s3", "nixl")
         for direction in ("put", "get")
@@ -64,9 +65,11 @@ def test_objects_bench_compares_both_kvhex_tiers_with_vllms_obj_tier() -> None:
     assert "kvhex s3 (fsspec tier): 4 IO threads" in done.stderr
     assert "kvhex nixl (nixl tier, OBJ): 4 IO threads" in done.stderr
     assert "2 MiB each way per pass, 4 chunks per job, 1 passes" in done.stderr  # --quick
+    assert "server: SeaweedFS 4.48 (weed mini)" in done.stderr
+    assert "server: moto" in done.stderr
     # the server's CPU during each side's passes, under each chunk size's lines
     busy = [line for line in done.stderr.splitlines() if "server CPU, cores" in line]
-    assert len(busy) == 2, done.stderr[-4000:]
+    assert len(busy) == 4, done.stderr[-4000:]  # two chunk sizes on each server
     for line in busy:
         for direction in ("put", "get"):
             shown = line.split(f"{direction} ", 1)[1].split(";")[0].split(", ")

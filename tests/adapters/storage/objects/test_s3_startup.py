@@ -1,7 +1,8 @@
 """An object-store tier that cannot start, or loses its server, says why: a missing bucket, an
 unknown access key id, a wrong secret, an endpoint that is down and a refused listing are each
-named as what they are, against real servers on loopback (one of them checking credentials and
-IAM policies), and no credential reaches a message or a log."""
+named as what they are, at the option that would fix it, against real servers on loopback
+(SeaweedFS, which checks every request's signature and each user's actions; moto for a server
+the test stops), and no credential reaches a message or a log."""
 
 from __future__ import annotations
 
@@ -98,6 +99,7 @@ def test_an_unknown_access_key_id_is_named(s3_auth_server: AuthS3, logged: Logge
     error = fails_to_start(f"s3://{s3_auth_server.bucket}/kv", options)
     assert cause(error) is Cause.UNKNOWN_ACCESS_KEY
     assert "access key id is not known to the server (InvalidAccessKeyId)" in str(error)
+    assert error.option == "storage_options.key"
     assert_no_secrets([error, *logged()], wrong, admin["key"], admin["secret"])
 
 
@@ -108,7 +110,20 @@ def test_a_wrong_secret_is_named(s3_auth_server: AuthS3, logged: Logged) -> None
     error = fails_to_start(f"s3://{s3_auth_server.bucket}/kv", options)
     assert cause(error) is Cause.SIGNATURE_MISMATCH
     assert "wrong secret key (SignatureDoesNotMatch)" in str(error)
+    assert error.option == "storage_options.secret"
     assert_no_secrets([error, *logged()], wrong, admin["key"], admin["secret"])
+
+
+def test_anonymous_access_is_refused_and_named(s3_auth_server: AuthS3, logged: Logged) -> None:
+    """No credentials at all (s3fs's ``anon``): the server refuses the unsigned listing; the
+    tier names the refusal and asks for credentials with the permission."""
+    options = {k: v for k, v in s3_options(s3_auth_server.endpoint).items() if k not in CREDENTIALS}
+    url = f"s3://{s3_auth_server.bucket}/kv"
+    error = fails_to_start(url, {**options, "anon": True})
+    assert cause(error) is Cause.ACCESS_DENIED
+    assert f"access denied listing {url} (AccessDenied)" in str(error)
+    assert error.option == "url"
+    assert_no_secrets([error, *logged()], CREDENTIALS["key"], CREDENTIALS["secret"])
 
 
 def test_a_refused_listing_is_tier_unavailable_naming_access_denied(
@@ -123,6 +138,7 @@ def test_a_refused_listing_is_tier_unavailable_naming_access_denied(
     assert cause(error) is Cause.ACCESS_DENIED
     assert f"access denied listing {url} (AccessDenied)" in str(error)
     assert "s3:ListBucket" in str(error)
+    assert error.option == "url"
     assert_no_secrets([error, *logged()], no_list["key"], no_list["secret"])
 
 
@@ -194,11 +210,19 @@ def test_the_nixl_tier_on_s3_names_the_same_causes(s3_auth_server: AuthS3, logge
     from kvhex.adapters.storage.nixl import NixlTierStore
 
     admin = s3_auth_server.users["admin"]
+    bucket = f"s3://{s3_auth_server.bucket}/kv"
+    unknown = "AKIAKVHEXUNKNOWNKEY1"
     cases = [
-        ("s3://kvhex-no-such-bucket/kv", admin["secret"], Cause.NO_BUCKET, "does not exist"),
-        (f"s3://{s3_auth_server.bucket}/kv", "kvhex-wrong", Cause.SIGNATURE_MISMATCH, "secret"),
+        ("s3://kvhex-no-such-bucket/kv", admin["key"], admin["secret"], Cause.NO_BUCKET, "url"),
+        (bucket, unknown, admin["secret"], Cause.UNKNOWN_ACCESS_KEY, "access_key"),
+        (bucket, admin["key"], "kvhex-wrong", Cause.SIGNATURE_MISMATCH, "secret_key"),
     ]
-    for url, secret, expected, words in cases:
+    words = {
+        Cause.NO_BUCKET: "does not exist",
+        Cause.UNKNOWN_ACCESS_KEY: "(InvalidAccessKeyId)",
+        Cause.SIGNATURE_MISMATCH: "wrong secret key",
+    }
+    for url, access_key, secret, expected, option in cases:
         with pytest.raises(TierUnavailable) as info:
             NixlTierStore(
                 MemoryHostBuffer(2, 4096),
@@ -206,14 +230,16 @@ def test_the_nixl_tier_on_s3_names_the_same_causes(s3_auth_server: AuthS3, logge
                 capacity_bytes=1 << 20,
                 name="nixl-s3",
                 endpoint_url=s3_auth_server.endpoint,
-                access_key=admin["key"],
+                access_key=access_key,
                 secret_key=secret,
                 locality=None,
             )
         assert info.value.tier == "nixl-s3"
         assert cause(info.value) is expected
-        assert words in str(info.value)
-        assert_no_secrets([info.value, *logged()], admin["key"], admin["secret"], "kvhex-wrong")
+        assert words[expected] in str(info.value)
+        assert info.value.option == option
+        secrets = (admin["key"], admin["secret"], "kvhex-wrong", unknown)
+        assert_no_secrets([info.value, *logged()], *secrets)
 
 
 # -- the mapping, on constructed exceptions ------------------------------------------------
