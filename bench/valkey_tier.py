@@ -18,8 +18,8 @@ go host -> Valkey (put) and Valkey -> host (get):
   share of the batches, each taking a connection from the client's pool), ``GET``'s bytes
   copied into the same host slots.
 
-    python bench/valkey.py [--server both] [--total-mib 128] [--batch 8] [--repeats 9]
-    python bench/valkey.py --quick --json   # tiny sizes; rows as JSON (see _report.py)
+    python bench/valkey_tier.py [--server both] [--total-mib 128] [--batch 8] [--repeats 9]
+    python bench/valkey_tier.py --quick --json   # tiny sizes; rows as JSON (see _report.py)
 
 Every pass writes new keys on both sides (a new round of keys; last round's are deleted,
 untimed, so the servers hold at most two rounds), and every get pass reads into zeroed host
@@ -40,7 +40,6 @@ import os
 import shutil
 import socket
 import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Sequence
@@ -48,20 +47,14 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
+import valkey
+from valkey import cluster as valkey_cluster
+
 from _report import Report, add_chunk_sizes, add_repeats, parse, summarize
-
-# This script is bench/valkey.py: run as a script, its folder is sys.path[0], where
-# ``import valkey`` (here and in kvhex's Valkey tier) would find this file instead of
-# valkey-py. The sibling modules are imported above; the folder leaves the path now.
-_HERE = Path(__file__).resolve().parent
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
-
-import valkey  # noqa: E402  (valkey-py, once this folder is off the path)
-from kvhex.adapters.memory import MemoryHostBuffer  # noqa: E402
-from kvhex.adapters.storage.valkey.tier import ValkeyTierStore  # noqa: E402
-from kvhex.cli.bench import interval_text  # noqa: E402
-from kvhex.domain import JobId, JobKind, TierJob, make_offload_key  # noqa: E402
-from valkey import cluster as valkey_cluster  # noqa: E402
+from kvhex.adapters.memory import MemoryHostBuffer
+from kvhex.adapters.storage.valkey.tier import ValkeyTierStore
+from kvhex.cli.bench import interval_text
+from kvhex.domain import JobId, JobKind, TierJob, make_offload_key
 
 MiB = 1 << 20
 HEADER_AREA = 4096
