@@ -25,6 +25,7 @@ from kvhex.testing import block_payload, tier_key
 from tests.adapters.storage.peer_kit import run_job
 from tests.adapters.storage.valkey.servers import (
     PASSWORD,
+    SLOT_RANGES,
     Server,
     free_port,
     wait_cluster_ok,
@@ -111,7 +112,15 @@ def test_a_node_killed_mid_run_fails_jobs_cleanly_and_the_tier_recovers(
         connect_timeout_s=1,
         command_timeout_s=2,
     )
-    victim = valkey_cluster[2]
+    # a node that does not hold config.json: losing that is losing the namespace (another
+    # test), not blocks
+    from valkey.crc import key_slot
+
+    config_slot = key_slot(store._io._config_key)  # type: ignore[attr-defined]
+    victim = next(
+        n for n, (lo, hi) in zip(valkey_cluster, SLOT_RANGES, strict=True)
+        if not lo <= config_slot <= hi
+    )  # fmt: skip
     for slot, key in enumerate(keys):
         host.slot_view(slot)[:] = block_payload(key, SLOT)
     stored = run_job(store, _job(JobKind.PUT, keys, list(range(blocks))))

@@ -107,13 +107,20 @@ class ValkeyIo:
         return None if recorded is None else bytes(recorded)
 
     def _listed(self) -> list[OffloadKey]:
-        return [k for k in (self._key_of(n) for n in self._scan()) if k is not None]
+        return [k for k in (self.key_of(n) for n in self._scan()) if k is not None]
 
     def _scan(self) -> Iterable[bytes]:
         match = _glob_escaped(self._prefix.decode()) + "*"
         yield from self.client.scan_iter(match=match, count=1000)
 
-    def _key_of(self, name: bytes) -> OffloadKey | None:
+    @property
+    def prefix(self) -> bytes:
+        """What every Valkey key of the namespace starts with (``PREFIX/<digest>/``)."""
+        return self._prefix
+
+    def key_of(self, name: bytes) -> OffloadKey | None:
+        """The block key a Valkey key ``name`` of the namespace names; ``None`` for
+        ``config.json`` or a foreign key."""
         stem = name[len(self._prefix) :]
         try:
             key = bytes.fromhex(stem.decode())

@@ -2,20 +2,31 @@
 :mod:`kvhex.adapters.storage.valkey.io`), kept by
 :class:`~kvhex.adapters.storage.tier.BlockTierStore` like every persistent tier.
 
-Who evicts: kvhex. The tier holds at most ``capacity_bytes`` (a 4 KiB header area per block
-included) and evicts by its policy beyond, announcing each removal. A server that also evicts
-(``maxmemory-policy``) or expires keys is tolerated, not announced ahead: a get or probe that
-finds a block gone drops it from the index and announces it removed (docs/tiers.md).
+Who evicts is the ``eviction`` option:
+
+* ``"kvhex"`` (default): the tier holds at most ``capacity_bytes`` (a 4 KiB header area per
+  block included) and evicts by its policy beyond, announcing each removal. A server that
+  also evicts or expires keys is tolerated, not announced ahead: a get or probe that finds a
+  block gone drops it from the index and announces it removed.
+* ``"server"``: the server's ``maxmemory-policy`` evicts; kvhex sets no bound of its own and
+  announces what the server dropped, heard from keyspace notifications on every primary
+  (:mod:`kvhex.adapters.storage.valkey.notifications`): each poll drops those keys from the
+  index as a get that finds them gone would, so the events never claim a block the pool
+  lost (docs/tiers.md).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any
+import sys
+from collections.abc import Mapping, Sequence
+from typing import Any, Literal
+
+import structlog
 
 from kvhex.adapters.storage.block_io import NamespaceConflict
 from kvhex.adapters.storage.format import namespace_config, namespace_digest
 from kvhex.adapters.storage.namespace import check_sizes, io_root, recorded_namespace
+from kvhex.adapters.storage.peers import check_peer_options
 from kvhex.adapters.storage.tier import BlockTierStore
 from kvhex.adapters.storage.valkey._client import (
     Connection,
@@ -24,12 +35,18 @@ from kvhex.adapters.storage.valkey._client import (
     start_up_error,
 )
 from kvhex.adapters.storage.valkey.io import ValkeyIo
+from kvhex.adapters.storage.valkey.notifications import ServerDrops
+from kvhex.domain.jobs import JobResult
+from kvhex.domain.keys import OffloadKey
 from kvhex.domain.tiers import Locality, Medium, TierIdentity
 from kvhex.errors import TierUnavailable
 from kvhex.ports.host_buffer import HostBuffer
 
+log = structlog.get_logger(__name__)
+
 DEFAULT_IO_THREADS = 8
 """Concurrent IO jobs: each waits on the network, not the CPU."""
+EVICTIONS = ("kvhex", "server")
 
 
 class ValkeyTierStore(BlockTierStore):
@@ -41,7 +58,10 @@ class ValkeyTierStore(BlockTierStore):
         url: ``valkey://HOST:PORT[,HOST:PORT...]/PREFIX`` (``valkeys://``: TLS); the hosts
             are seed nodes, the prefix starts every key of the tier.
         capacity_bytes: bytes the tier may hold (a 4 KiB header area per block included);
-            kvhex's eviction beyond.
+            kvhex's eviction beyond. Required with ``eviction = "kvhex"``, refused with
+            ``"server"``.
+        eviction: who evicts: ``"kvhex"`` (its policy at ``capacity_bytes``) or
+            ``"server"`` (the server's ``maxmemory-policy``; kvhex announces what it drops).
         name: ownership name announced in events and used in errors.
         namespace: what makes blocks compatible (model, geometry, dtype, ...).
         medium, locality: announced in events (by default remote storage).
@@ -53,14 +73,21 @@ class ValkeyTierStore(BlockTierStore):
             ``tls_key_file``: the CA bundle and the client certificate and key (PEM).
         connect_timeout_s, command_timeout_s: seconds to connect, and to wait for a reply.
         io_threads: concurrent IO jobs (default 8).
+        announce_peers: also announce the blocks other instances hold under the same prefix
+            and namespace, under :attr:`peer_identity` (a ``SCAN`` of every primary each
+            ``peer_scan_interval_s``, at most 3600).
 
     Raises:
-        ValueError: ``capacity_bytes`` holds no block, ``io_threads`` is below 1, or a
-            timeout is not positive.
+        TypeError: ``announce_peers`` is not a ``bool`` or ``peer_scan_interval_s`` not a
+            number.
+        ValueError: ``capacity_bytes`` holds no block, ``io_threads`` is below 1, a timeout
+            is not positive, or ``peer_scan_interval_s`` is out of range.
         TierUnavailable: the url is malformed, no node answers, the credentials are refused,
             the cluster is not ``ok``, or the namespace records another configuration; the
             message names the cause and :attr:`~TierUnavailable.option` the option to fix
-            (``url``, ``password``, ``username``, ``cluster``, ``tls_ca_file``).
+            (``url``, ``password``, ``username``, ``cluster``, ``tls_ca_file``,
+            ``capacity_bytes``, ``eviction``: an unknown value, or a server that refuses
+            ``CONFIG``, needed to turn keyspace notifications on).
     """
 
     def __init__(
@@ -68,7 +95,8 @@ class ValkeyTierStore(BlockTierStore):
         host: HostBuffer,
         url: str,
         *,
-        capacity_bytes: int,
+        capacity_bytes: int | None = None,
+        eviction: Literal["kvhex", "server"] = "kvhex",
         name: str = "valkey",
         namespace: Mapping[str, Any] | None = None,
         medium: Medium = Medium.STORAGE,
@@ -83,8 +111,12 @@ class ValkeyTierStore(BlockTierStore):
         connect_timeout_s: float = 5.0,
         command_timeout_s: float = 10.0,
         io_threads: int | None = None,
+        announce_peers: bool = False,
+        peer_scan_interval_s: float = 1.0,
     ) -> None:
+        check_peer_options(announce_peers, peer_scan_interval_s)
         block = check_sizes(host, capacity_bytes, io_threads)
+        capacity_bytes = _bound(eviction, capacity_bytes, block, tier=name)
         for option, value in (
             ("connect_timeout_s", connect_timeout_s),
             ("command_timeout_s", command_timeout_s),
@@ -120,6 +152,25 @@ class ValkeyTierStore(BlockTierStore):
         except Exception as exc:
             client.close()
             raise start_up_error(exc, endpoint, tier=name) from exc
+        self.eviction = eviction
+        self._drops: ServerDrops | None = None
+        self._evicted_pending: set[OffloadKey] = set()
+        if eviction == "server":
+            try:
+                self._drops = ServerDrops(
+                    _primaries(client),
+                    conn.client_kwargs(),
+                    io.prefix,
+                    io.key_of,
+                    io.peer_keys,
+                    tier=name,
+                )
+            except TierUnavailable:
+                client.close()
+                raise
+            except Exception as exc:
+                client.close()
+                raise start_up_error(exc, endpoint, tier=name) from exc
         super().__init__(
             host,
             io,
@@ -127,4 +178,95 @@ class ValkeyTierStore(BlockTierStore):
             capacity_bytes=capacity_bytes,
             block_bytes=block,
             io_threads=io_threads or DEFAULT_IO_THREADS,
+            announce_peers=announce_peers,
+            peer_scan_interval_s=peer_scan_interval_s,
         )
+
+    @property
+    def server_gaps(self) -> int:
+        """Times a node's notifications were lost (``eviction = "server"``); after each, a
+        listing of the namespace found what the server dropped meanwhile."""
+        return 0 if self._drops is None else self._drops.gaps
+
+    def poll(self) -> list[JobResult]:
+        """As :meth:`BlockTierStore.poll`; with ``eviction = "server"`` also drops (and
+        announces removed) the blocks the server evicted or expired since the last poll."""
+        results = super().poll()
+        if self._drops is not None and not self._closed:
+            self._apply_drops(*self._drops.take())
+        return results
+
+    def close(self) -> None:
+        """As :meth:`BlockTierStore.close`, the notification listeners stopped first."""
+        if self._drops is not None:
+            self._drops.close()
+        super().close()
+
+    def _apply_drops(
+        self, keys: list[OffloadKey], listings: Sequence[frozenset[OffloadKey]]
+    ) -> None:
+        """Drop what the server no longer holds, as a get that found it gone would (the
+        blocks are not deleted: the server has none, or one written since, which stays
+        unlisted). A key whose put is still in flight is dropped once it lands (its block
+        was evicted after it was written, or it is written again right after: dropping it
+        then only costs a miss)."""
+        index = self._index
+        gone = [*self._evicted_pending, *keys]
+        for listed in listings:
+            gone += [k for k in index if k not in listed]
+        if not gone:
+            return
+        now: list[OffloadKey] = []
+        later: set[OffloadKey] = set()
+        for key in dict.fromkeys(gone):
+            if key in index:
+                now.append(key)
+            elif index.is_pending(key):
+                later.add(key)
+        self._evicted_pending = later
+        if now:
+            dropped = index.delete(now)
+            self.lost_blocks += len(dropped)
+        if self._peers is not None and keys:
+            self._peers.lost(keys, self._events)
+
+
+def _bound(eviction: str, capacity_bytes: int | None, block: int, *, tier: str) -> int:
+    """The residency's bound: ``capacity_bytes``, or none to speak of where the server
+    evicts.
+
+    Raises:
+        TierUnavailable: an unknown ``eviction``, ``capacity_bytes`` missing with kvhex's
+            eviction or given with the server's.
+    """
+    if eviction not in EVICTIONS:
+        raise TierUnavailable(
+            f"eviction must be one of {', '.join(EVICTIONS)}, got {eviction!r}",
+            tier=tier,
+            option="eviction",
+        )
+    if eviction == "server":
+        if capacity_bytes is not None:
+            raise TierUnavailable(
+                'with eviction = "server" the server\'s maxmemory bounds the tier: drop '
+                "capacity_bytes",
+                tier=tier,
+                option="capacity_bytes",
+            )
+        return sys.maxsize // block * block
+    if capacity_bytes is None:
+        raise TierUnavailable(
+            'capacity_bytes is required with eviction = "kvhex" (the default)',
+            tier=tier,
+            option="capacity_bytes",
+        )
+    return capacity_bytes
+
+
+def _primaries(client: Any) -> list[tuple[str, int]]:
+    """(host, port) of every primary of a cluster client, or of a standalone client's
+    server."""
+    if hasattr(client, "get_primaries"):
+        return [(n.host, int(n.port)) for n in client.get_primaries()]
+    kwargs = client.connection_pool.connection_kwargs
+    return [(str(kwargs["host"]), int(kwargs["port"]))]

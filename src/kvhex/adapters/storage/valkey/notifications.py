@@ -1,0 +1,242 @@
+"""What the server dropped on its own: with ``eviction = "server"`` the Valkey tier learns
+the blocks a ``maxmemory-policy`` evicted or a TTL expired from keyspace notifications.
+
+Keyspace notifications are per node: :class:`ServerDrops` subscribes on every primary (one
+node for a standalone server) to ``__keyspace@0__:PREFIX/<digest>/*``, the namespace's keys
+alone, and queues the keys whose event is ``evicted`` or ``expired``. The server must publish
+them: :func:`enable_notifications` adds ``K``, ``e`` and ``x`` to ``notify-keyspace-events``
+(keeping the flags already set) with ``CONFIG SET``, at start-up and again after each
+reconnection (a restarted node forgets a ``CONFIG SET``).
+
+Notifications are fire and forget: while a node is unreachable its drops are not heard. A
+listener that loses its node reports it (``valkey_notifications_lost``), reconnects with a
+growing pause, enables the notifications again, and then lists the namespace (a ``SCAN`` of
+every primary) so that the tier drops whatever it still lists and the server no longer holds
+(:meth:`ServerDrops.take`).
+
+Threads: one daemon thread per node listens; :meth:`ServerDrops.take` runs on the
+scheduler thread; they share only a ``deque`` (appends and pops are atomic).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import structlog
+
+from kvhex.adapters.storage.valkey._client import safe_text
+from kvhex.domain.keys import OffloadKey
+from kvhex.errors import TierUnavailable
+
+log = structlog.get_logger(__name__)
+
+FLAGS = "Kex"
+"""Keyspace channel (``K``), evicted (``e``) and expired (``x``) events."""
+DROPS = frozenset((b"evicted", b"expired"))
+WAIT_S = 0.2
+"""How long a listener waits for a message before looking whether it should stop."""
+MAX_PAUSE_S = 2.0
+"""The longest pause between two reconnection attempts."""
+
+Listed = frozenset[OffloadKey]
+"""A listing of the namespace taken after a reconnection."""
+
+
+def enable_notifications(client: Any, where: str, *, tier: str) -> None:
+    """Make the node ``client`` talks to publish evicted and expired keyspace events.
+
+    Raises:
+        TierUnavailable: the node refuses ``CONFIG`` (renamed, or not in the ACL user's
+            commands), at ``eviction``: the operator sets ``notify-keyspace-events`` to
+            include ``Kex`` or lets kvhex's user run ``CONFIG``.
+        Exception: the node failed otherwise (not reachable).
+    """
+    import valkey
+
+    try:
+        current = str(client.config_get("notify-keyspace-events").get("notify-keyspace-events"))
+        if current == "None":
+            current = ""
+        have = set(current) | (set("ex") if "A" in current else set())
+        missing = "".join(f for f in FLAGS if f not in have)
+        if missing:
+            client.config_set("notify-keyspace-events", current + missing)
+    except valkey.ResponseError as exc:
+        raise TierUnavailable(
+            f'eviction = "server" needs keyspace notifications for evicted and expired keys, '
+            f"and {where} refused CONFIG ({safe_text(exc)}): set notify-keyspace-events to "
+            f'include "{FLAGS}" on every primary and allow the user CONFIG GET/SET, or use '
+            'eviction = "kvhex"',
+            tier=tier,
+            option="eviction",
+        ) from exc
+
+
+class ServerDrops:
+    """Listens on ``nodes`` for the namespace's keys the server evicted or expired.
+
+    Args:
+        nodes: (host, port) of every primary.
+        kwargs: valkey-py client arguments (credentials, TLS, timeouts).
+        prefix: the namespace's key prefix (``PREFIX/<digest>/``).
+        key_of: the block key of a Valkey key, ``None`` for others (``config.json``).
+        listing: lists the namespace now (run on a listener thread after a reconnection).
+        tier: the tier's name, for errors and logs.
+
+    Raises:
+        TierUnavailable: a node refuses ``CONFIG`` (at ``eviction``).
+        Exception: a node does not answer (the tier names it).
+    """
+
+    def __init__(
+        self,
+        nodes: Sequence[tuple[str, int]],
+        kwargs: dict[str, Any],
+        prefix: bytes,
+        key_of: Callable[[bytes], OffloadKey | None],
+        listing: Callable[[], set[OffloadKey]],
+        *,
+        tier: str,
+    ) -> None:
+        escaped = b"".join(b"\\" + bytes([c]) if c in b"*?[]\\" else bytes([c]) for c in prefix)
+        self._pattern = b"__keyspace@0__:" + escaped + b"*"
+        self._channel = len(b"__keyspace@0__:")
+        self._kwargs = kwargs
+        self._key_of = key_of
+        self._listing = listing
+        self._tier = tier
+        self._queue: deque[OffloadKey | Listed] = deque()
+        self._stop = threading.Event()
+        # each node's client, kept while its pubsub lives: a client closed or collected
+        # disconnects its pool, the pubsub's connection too
+        self._clients: dict[tuple[str, int], Any] = {}
+        self.gaps = 0
+        """Times a listener lost its node (its drops meanwhile found by a listing)."""
+        subscribed = []
+        try:
+            for host, port in nodes:
+                subscribed.append((host, port, self._subscribe(host, port)))
+        except BaseException:
+            for _, _, pubsub in subscribed:
+                pubsub.close()
+            self._close_clients()
+            raise
+        self._threads = [
+            threading.Thread(
+                target=self._listen,
+                args=(host, port, pubsub),
+                name=f"kvhex-{tier}-drops-{port}",
+                daemon=True,
+            )
+            for host, port, pubsub in subscribed
+        ]
+        for thread in self._threads:
+            thread.start()
+
+    def take(self) -> tuple[list[OffloadKey], list[Listed]]:
+        """(Scheduler thread.) The keys dropped since the last call, and the listings taken
+        after reconnections since (the tier drops what they lack)."""
+        keys: list[OffloadKey] = []
+        listings: list[Listed] = []
+        queue = self._queue
+        while queue:
+            item = queue.popleft()
+            if isinstance(item, frozenset):
+                listings.append(item)
+            else:
+                keys.append(item)
+        return keys, listings
+
+    def close(self) -> None:
+        """Stop the listeners (each within :data:`WAIT_S`); idempotent."""
+        self._stop.set()
+        for thread in self._threads:
+            if thread is not threading.current_thread():
+                thread.join(timeout=2 * WAIT_S + 1)
+        self._close_clients()
+
+    def _close_clients(self) -> None:
+        while self._clients:
+            _, client = self._clients.popitem()
+            client.close()
+
+    # -- listener threads ----------------------------------------------------------------
+    def _subscribe(self, host: str, port: int) -> Any:
+        """A pubsub on ``host:port`` whose subscription is confirmed, notifications on."""
+        import valkey
+
+        lib: Any = valkey
+        old = self._clients.pop((host, port), None)
+        if old is not None:
+            old.close()
+        client = lib.Valkey(host=host, port=port, **self._kwargs)
+        try:
+            enable_notifications(client, f"{host}:{port}", tier=self._tier)
+            pubsub = client.pubsub()
+            pubsub.psubscribe(self._pattern)
+            # the confirmation: once read, nothing published later is missed
+            for _ in range(50):
+                if pubsub.get_message(timeout=WAIT_S) is not None:
+                    break
+            else:
+                raise TimeoutError(f"{host}:{port} did not confirm the subscription")
+        except BaseException:
+            client.close()
+            raise
+        self._clients[host, port] = client
+        return pubsub
+
+    def _listen(self, host: str, port: int, pubsub: Any) -> None:
+        stop, queue, key_of, cut = self._stop, self._queue, self._key_of, self._channel
+        while not stop.is_set():
+            try:
+                message = pubsub.get_message(timeout=WAIT_S)
+            except Exception as exc:
+                pubsub.close()
+                pubsub = self._reconnect(host, port, exc)
+                continue
+            if message is None:
+                continue
+            if message["type"] == "psubscribe":  # valkey-py subscribed again on its own
+                pubsub.close()
+                pubsub = self._reconnect(host, port, None)
+                continue
+            if message["type"] == "pmessage" and message["data"] in DROPS:
+                key = key_of(message["channel"][cut:])
+                if key is not None:
+                    queue.append(key)
+        pubsub.close()
+
+    def _reconnect(self, host: str, port: int, exc: BaseException | None) -> Any:
+        """Subscribe on the node again (pausing longer after each failure) and queue a
+        listing of the namespace; ``None`` once stopped."""
+        self.gaps += 1
+        cause = "reconnected" if exc is None else f"{type(exc).__name__}: {safe_text(exc)}"
+        node = f"{host}:{port}"
+        log.warning("valkey_notifications_lost", tier=self._tier, node=node, error=cause)
+        pause = WAIT_S
+        while not self._stop.wait(pause):
+            try:
+                pubsub = self._subscribe(host, port)
+                listed = frozenset(self._listing())
+            except Exception as again:
+                pause = min(2 * pause, MAX_PAUSE_S)
+                log.debug("valkey_reconnect_failed", tier=self._tier, error=safe_text(again))
+                continue
+            self._queue.append(listed)
+            log.info("valkey_notifications_resumed", tier=self._tier, node=f"{host}:{port}")
+            return pubsub
+        return _Stopped()
+
+
+class _Stopped:
+    """The pubsub of a listener told to stop while reconnecting."""
+
+    def get_message(self, timeout: float) -> None:
+        return None
+
+    def close(self) -> None:
+        return None
