@@ -4,11 +4,14 @@ tests that ask."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
+import xml.etree.ElementTree as ET
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -23,6 +26,58 @@ def env_with(site: Path) -> dict[str, str]:
     bytecode or cache written into the source tree (for a child process)."""
     path = [str(site), *filter(None, [os.environ.get("PYTHONPATH")])]
     return {**os.environ, "PYTHONPATH": os.pathsep.join(path), "PYTHONDONTWRITEBYTECODE": "1"}
+
+
+def run_own_suite(example: Path, site: Path, report: Path) -> ET.Element:
+    """Run an example's own tests (its pytest settings apply) against its installed
+    distribution in ``site``; they must pass. Returns the JUnit ``testsuite``."""
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", f"--junitxml={report}"],
+        cwd=example,
+        env=env_with(site),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    suite = ET.parse(report).getroot().find("testsuite")
+    assert suite is not None
+    return suite
+
+
+def imported_from(example: Path, site: Path, module: str) -> Path:
+    """Where a child process run in the example's source tree imports ``module`` from."""
+    imported = subprocess.run(
+        [sys.executable, "-c", f"import {module} as m; print(m.__file__)"],
+        cwd=example,
+        env=env_with(site),
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    return Path(imported.stdout.strip())
+
+
+def kvhex_run(site: Path, config: Path, *flags: str) -> subprocess.CompletedProcess[str]:
+    """``kvhex run --config config --json`` in a child process with ``site`` on its path."""
+    command = ["run", "--config", str(config), "--json", "--no-progress", *flags]
+    return subprocess.run(
+        [sys.executable, "-m", "kvhex", *command],
+        env=env_with(site),
+        capture_output=True,
+        text=True,
+        timeout=240,
+        check=False,
+    )
+
+
+def run_summary(site: Path, config: Path, *flags: str) -> dict[str, Any]:
+    """:func:`kvhex_run`, which must succeed; its JSON summary."""
+    done = kvhex_run(site, config, *flags)
+    assert done.returncode == 0, done.stderr
+    summary: dict[str, Any] = json.loads(done.stdout)
+    return summary
 
 
 def _install(source: Path, target: Path) -> Path:

@@ -4,12 +4,8 @@ promotions from it, also after a restart on the same file."""
 
 from __future__ import annotations
 
-import json
-import subprocess
 import sys
-import xml.etree.ElementTree as ET
 from pathlib import Path
-from typing import Any
 
 import pytest
 
@@ -20,7 +16,7 @@ from kvhex.errors import ConfigError
 from kvhex.plugins import TIERS, Registry
 from kvhex.ports import TierStore
 from kvhex.testing import CrashContract, TierStoreContract
-from tests.plugins.conftest import EXAMPLES, env_with
+from tests.plugins.conftest import EXAMPLES, imported_from, run_own_suite, run_summary
 
 EXAMPLE = EXAMPLES / "kvhex-sqlite-tier"
 
@@ -28,19 +24,7 @@ EXAMPLE = EXAMPLES / "kvhex-sqlite-tier"
 def test_the_examples_own_suite_passes_against_the_installed_distribution(
     sqlite_site: Path, tmp_path: Path
 ) -> None:
-    report = tmp_path / "junit.xml"
-    done = subprocess.run(
-        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", f"--junitxml={report}"],
-        cwd=EXAMPLE,  # the example's own pytest settings (filterwarnings = error) apply
-        env=env_with(sqlite_site),
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
-    assert done.returncode == 0, done.stdout + done.stderr
-    suite = ET.parse(report).getroot().find("testsuite")
-    assert suite is not None
+    suite = run_own_suite(EXAMPLE, sqlite_site, tmp_path / "junit.xml")
     cases = suite.findall("testcase")
     contract = [c for c in cases if c.get("classname", "").endswith("TestSqliteTierContract")]
     kit = (TierStoreContract, CrashContract)  # the example is persistent: it runs both
@@ -52,15 +36,8 @@ def test_the_examples_own_suite_passes_against_the_installed_distribution(
     skipped = sorted(c.get("name") for c in cases if c.find("skipped") is not None)
     # the example opts out of the one check of two live instances on one database file
     assert skipped == ["test_restart_after_two_instances_stored_the_same_keys"]
-    imported = subprocess.run(
-        [sys.executable, "-c", "import kvhex_sqlite_tier; print(kvhex_sqlite_tier.__file__)"],
-        cwd=EXAMPLE,
-        env=env_with(sqlite_site),
-        capture_output=True,
-        text=True,
-        check=True,
-    )
-    assert Path(imported.stdout.strip()).is_relative_to(sqlite_site)  # not the source tree
+    where = imported_from(EXAMPLE, sqlite_site, "kvhex_sqlite_tier")
+    assert where.is_relative_to(sqlite_site)  # not the source tree
 
 
 def test_the_registry_finds_loads_and_builds_the_sqlite_tier(
@@ -97,20 +74,6 @@ def test_the_registry_finds_loads_and_builds_the_sqlite_tier(
     assert "cannot open /proc/kvhex-no-such/kv.sqlite" in str(info.value)
 
 
-def _run(site: Path, config: Path) -> dict[str, Any]:
-    done = subprocess.run(
-        [sys.executable, "-m", "kvhex", "run", "--config", str(config), "--json", "--no-progress"],
-        env=env_with(site),
-        capture_output=True,
-        text=True,
-        timeout=240,
-        check=False,
-    )
-    assert done.returncode == 0, done.stderr
-    summary: dict[str, Any] = json.loads(done.stdout)
-    return summary
-
-
 def test_kvhex_run_serves_promotions_from_the_sqlite_tier_and_again_after_a_restart(
     sqlite_site: Path, tmp_path: Path
 ) -> None:
@@ -132,7 +95,7 @@ page_bytes = 4096
 device_blocks = 512
 """
     )
-    first = _run(sqlite_site, config)
+    first = run_summary(sqlite_site, config)
     assert first["tiers"] == ["sqlite (STORAGE)"]
     assert first["hits"]["sqlite"]["chunks"] > 0  # the 4 MiB host tier overflowed
     assert first["transfers"]["sqlite get"]["bytes"] > 0
@@ -142,7 +105,7 @@ device_blocks = 512
     assert first["integrity"]["blocks_checked"] > 0
     assert oct(db.stat().st_mode & 0o777) == "0o600"
 
-    again = _run(sqlite_site, config)  # same workload, empty host tier, the same file
+    again = run_summary(sqlite_site, config)  # same workload, empty host tier, the same file
     assert again["hits"]["sqlite"]["chunks"] > first["hits"]["sqlite"]["chunks"]
     assert again["placeholder_events"] > 0  # the blocks found at start-up, without requests
     assert again["integrity"]["verdict"] == "intact"

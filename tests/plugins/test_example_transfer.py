@@ -6,14 +6,12 @@ run through it."""
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
-import xml.etree.ElementTree as ET
 from pathlib import Path
 from typing import Any
 
 from kvhex.plugins import TRANSFERS, Registry
-from tests.plugins.conftest import EXAMPLES, env_with
+from tests.plugins.conftest import EXAMPLES, imported_from, kvhex_run, run_own_suite
 
 EXAMPLE = EXAMPLES / "kvhex-counting-transfer"
 
@@ -32,30 +30,11 @@ device_blocks = 512
 def test_the_examples_own_suite_passes_against_the_installed_distribution(
     counting_site: Path, tmp_path: Path
 ) -> None:
-    report = tmp_path / "junit.xml"
-    done = subprocess.run(
-        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", f"--junitxml={report}"],
-        cwd=EXAMPLE,  # the example's own pytest settings (filterwarnings = error) apply
-        env=env_with(counting_site),
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
-    assert done.returncode == 0, done.stdout + done.stderr
-    suite = ET.parse(report).getroot().find("testsuite")
-    assert suite is not None
+    suite = run_own_suite(EXAMPLE, counting_site, tmp_path / "junit.xml")
     own = (EXAMPLE / "tests" / "test_counting.py").read_text().count("\ndef test_")
     assert (suite.get("tests"), suite.get("failures"), suite.get("errors")) == (str(own), "0", "0")
-    imported = subprocess.run(
-        [sys.executable, "-c", "import kvhex_counting_transfer as m; print(m.__file__)"],
-        cwd=EXAMPLE,
-        env=env_with(counting_site),
-        capture_output=True,
-        text=True,
-        check=True,
-    )
-    assert Path(imported.stdout.strip()).is_relative_to(counting_site)  # not the source tree
+    where = imported_from(EXAMPLE, counting_site, "kvhex_counting_transfer")
+    assert where.is_relative_to(counting_site)  # not the source tree
 
 
 def test_the_registry_finds_and_loads_the_counting_transfer(with_counting: Path) -> None:
@@ -69,18 +48,6 @@ def test_the_registry_finds_and_loads_the_counting_transfer(with_counting: Path)
     assert Path(sys.modules["kvhex_counting_transfer"].__file__ or "").is_relative_to(with_counting)
     lines = registry.load_all(TRANSFERS).lines()
     assert "kvhex.transfers counting: loaded from kvhex-counting-transfer 0.1.0" in lines
-
-
-def _run(site: Path, config: Path, *flags: str) -> subprocess.CompletedProcess[str]:
-    command = ["run", "--config", str(config), "--json", "--no-progress", *flags]
-    return subprocess.run(
-        [sys.executable, "-m", "kvhex", *command],
-        env=env_with(site),
-        capture_output=True,
-        text=True,
-        timeout=240,
-        check=False,
-    )
 
 
 def _moved_through(summary: dict[str, Any], counts_file: Path) -> None:
@@ -111,7 +78,7 @@ def test_kvhex_run_moves_its_bytes_through_the_transfer_named_in_run(
     config.write_text(
         CONFIG + f'transfer = "counting"\ntransfer_options = {{ report_path = "{counts}" }}\n'
     )
-    done = _run(counting_site, config)
+    done = kvhex_run(counting_site, config)
     assert done.returncode == 0, done.stderr
     _moved_through(json.loads(done.stdout), counts)
 
@@ -122,11 +89,11 @@ def test_the_transfer_flag_selects_it_and_an_unknown_name_lists_the_installed_on
     counts = tmp_path / "counts.json"
     config = tmp_path / "kvhex.toml"
     config.write_text(CONFIG + f'transfer_options = {{ report_path = "{counts}" }}\n')
-    done = _run(counting_site, config, "--transfer", "counting")
+    done = kvhex_run(counting_site, config, "--transfer", "counting")
     assert done.returncode == 0, done.stderr
     _moved_through(json.loads(done.stdout), counts)
 
-    unknown = _run(counting_site, config, "--transfer", "countng")
+    unknown = kvhex_run(counting_site, config, "--transfer", "countng")
     assert unknown.returncode == 2
     assert unknown.stdout == ""
     assert (
