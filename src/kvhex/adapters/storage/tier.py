@@ -32,7 +32,7 @@ run on the scheduler thread only; IO runs on a pool of ``io_threads`` and never 
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import TypeVar
 
 import structlog
@@ -285,6 +285,28 @@ class BlockTierStore:
         removed = self._index.delete(keys)
         if removed and not self._closed:
             self._remove_later(removed)
+
+    def drop_lost(self, keys: Iterable[OffloadKey]) -> set[OffloadKey]:
+        """Drop ``keys`` as blocks the storage lost on its own (a server evicted or expired
+        them, an operator deleted them), as a get that finds a block gone does: each one
+        readable leaves the index, is announced removed and counted in :attr:`lost_blocks`;
+        nothing is deleted (the storage has no block, or one written since, which stays
+        unlisted). With ``announce_peers`` the view drops those of other instances.
+
+        Returns:
+            The keys whose put is still in flight: their blocks may have gone after they
+            were written, so the caller drops them again once they land (or, written again
+            right after, dropping them only costs a miss).
+        """
+        keys = list(dict.fromkeys(keys))
+        index = self._index
+        now = [k for k in keys if k in index]
+        later = {k for k in keys if k not in index and index.is_pending(k)}
+        if now:
+            self.lost_blocks += len(index.delete(now))
+        if self._peers is not None and keys:
+            self._peers.lost(keys, self._events)
+        return later
 
     def drain(self) -> None:
         """Block until every submitted job and removal finished (and the reading of the

@@ -137,6 +137,14 @@ def connect(endpoint: Endpoint, conn: Connection, cluster: bool | None, *, tier:
         break
     if probe is None:
         assert failure is not None
+        if _client_certificate_wanted(failure, conn):
+            raise TierUnavailable(
+                f"TLS to {_nodes(endpoint.nodes)}: the server closed the connection after the "
+                f"handshake ({safe_text(failure)}): it may require a client certificate: "
+                "give tls_cert_file and tls_key_file",
+                tier=tier,
+                option="tls_cert_file",
+            ) from failure
         raise start_up_error(failure, endpoint, tier=tier) from failure
     client, host, port, enabled = probe
     if cluster is None:
@@ -168,6 +176,20 @@ def connect(endpoint: Endpoint, conn: Connection, cluster: bool | None, *, tier:
             option="url",
         )
     return client
+
+
+def _client_certificate_wanted(exc: BaseException, conn: Connection) -> bool:
+    """Whether ``exc`` is a TLS server hanging up on a client without a certificate: with
+    TLS 1.3 the server checks the client's certificate after the handshake, and the client
+    only sees the connection close."""
+    import valkey
+
+    if not conn.tls or conn.tls_cert_file is not None:
+        return False
+    text = safe_text(exc)
+    return isinstance(exc, valkey.ConnectionError) and any(
+        cue in text for cue in ("closed", "reset", "certificate required")
+    )
 
 
 def _nodes(nodes: Sequence[tuple[str, int]]) -> str:

@@ -205,30 +205,14 @@ class ValkeyTierStore(BlockTierStore):
     def _apply_drops(
         self, keys: list[OffloadKey], listings: Sequence[frozenset[OffloadKey]]
     ) -> None:
-        """Drop what the server no longer holds, as a get that found it gone would (the
-        blocks are not deleted: the server has none, or one written since, which stays
-        unlisted). A key whose put is still in flight is dropped once it lands (its block
-        was evicted after it was written, or it is written again right after: dropping it
-        then only costs a miss)."""
-        index = self._index
+        """Drop what the server no longer holds (:meth:`BlockTierStore.drop_lost`): the keys
+        it notified, and after a lost notification what a listing lacks. A key whose put was
+        in flight is dropped once it lands."""
         gone = [*self._evicted_pending, *keys]
+        held = self.keys() if listings else []
         for listed in listings:
-            gone += [k for k in index if k not in listed]
-        if not gone:
-            return
-        now: list[OffloadKey] = []
-        later: set[OffloadKey] = set()
-        for key in dict.fromkeys(gone):
-            if key in index:
-                now.append(key)
-            elif index.is_pending(key):
-                later.add(key)
-        self._evicted_pending = later
-        if now:
-            dropped = index.delete(now)
-            self.lost_blocks += len(dropped)
-        if self._peers is not None and keys:
-            self._peers.lost(keys, self._events)
+            gone += [k for k in held if k not in listed]
+        self._evicted_pending = self.drop_lost(gone) if gone else set()
 
 
 def _bound(eviction: str, capacity_bytes: int | None, block: int, *, tier: str) -> int:
