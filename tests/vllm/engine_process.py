@@ -9,6 +9,7 @@ The test side is :class:`EngineProcess`; the process runs this module
 (more ``LLM`` options). The engine starts, answers ``{"ready": true}``, then serves one JSON
 command per line on stdin, one JSON answer per line: its own stdout, which nothing else
 writes (vLLM's logs and every ``print`` go to stderr, which the test sends to a log file).
+``held`` needs a file tier (``fs``); ``pool`` works on any one kvhex tier.
 A command that fails answers ``{"error": traceback}`` and the engine serves on.
 """
 
@@ -24,7 +25,7 @@ import traceback
 from pathlib import Path
 from typing import Any, NamedTuple
 
-__all__ = ["EngineProcess", "Held"]
+__all__ = ["EngineProcess", "Held", "Pool"]
 
 SETTLE_STEPS = 200
 """Requests :meth:`EngineProcess.settle` serves at most before kvhex's tier jobs are done."""
@@ -50,6 +51,24 @@ class Held(NamedTuple):
     """Other engines' blocks its peer view announces now."""
     peer_scans: int
     """Scans its peer view did so far."""
+
+
+class Pool(NamedTuple):
+    """What an engine with one secondary tier (any kvhex tier: a shared pool) holds of a
+    prompt's full blocks (one entry per block, in order), and what its tier did so far."""
+
+    keys: list[str]
+    """Each block's offload key (group 0), in hex: the name its stored block carries."""
+    cpu: list[bool]
+    """In kvhex's host memory (readable)."""
+    tier: list[bool]
+    """In this engine's own tier index: blocks it stored (or found at start-up)."""
+    keys_put: int
+    """Blocks this engine's tier stored."""
+    keys_promoted: int
+    """Blocks this engine's tier loaded into host memory."""
+    hits: int
+    """Lookups this engine's tier answered with a hit."""
 
 
 class EngineProcess:
@@ -120,6 +139,10 @@ class EngineProcess:
     def held(self, tokens: list[int]) -> Held:
         """Where the engine finds each full block of ``tokens`` now."""
         return Held(**self.call("held", tokens=tokens))
+
+    def pool(self, tokens: list[int]) -> Pool:
+        """What the engine and its one tier hold of ``tokens`` now."""
+        return Pool(**self.call("pool", tokens=tokens))
 
     def close(self) -> None:
         """Ask the engine to exit, then terminate and kill it if it does not. Idempotent."""
@@ -197,6 +220,24 @@ def _held(llm: Any, tokens: list[int]) -> dict[str, Any]:
     }
 
 
+def _pool(llm: Any, tokens: list[int]) -> dict[str, Any]:
+    from tests.vllm.engine import block_hashes, kvhex_manager
+
+    manager = kvhex_manager(llm)
+    in_host = set(manager.engine.host_keys())
+    (store,) = manager.tier_stores
+    (stats,) = manager.stats().tiers
+    keys = [h + bytes(4) for h in block_hashes(tokens)]  # group 0's offload keys
+    return {
+        "keys": [k.hex() for k in keys],
+        "cpu": [k in in_host for k in keys],
+        "tier": [k in store for k in keys],
+        "keys_put": stats.keys_put,
+        "keys_promoted": stats.keys_promoted,
+        "hits": stats.hits,
+    }
+
+
 def _settle(llm: Any) -> int:
     from tests.vllm.engine import generate, kvhex_manager
 
@@ -233,6 +274,8 @@ def _serve(spec: dict[str, Any], answer: Any) -> None:
                     value = _settle(llm)
                 elif op == "held":
                     value = _held(llm, command["tokens"])
+                elif op == "pool":
+                    value = _pool(llm, command["tokens"])
                 else:
                     raise ValueError(f"unknown command {op!r}")
             except Exception:
