@@ -84,6 +84,11 @@ def start_loopback_s3(latency_s: float = 0.0) -> LoopbackS3:
     return LoopbackS3(int(server.stdout.readline()), server)
 
 
+VOLUME_MB = 1024
+"""SeaweedFS's volume size here: the bench writes hundreds of MB into one bucket, and with the
+tests' 16 MB volumes the server spends its time growing volumes, not serving requests."""
+
+
 def start_seaweedfs(key: str, secret: str) -> LoopbackS3:
     """Start SeaweedFS's ``weed mini`` on free loopback ports (the launcher kvhex's S3 tests
     use), with ``key`` and ``secret`` its one identity, in a directory removed when it stops.
@@ -100,7 +105,7 @@ def start_seaweedfs(key: str, secret: str) -> LoopbackS3:
     admin = Identity("bench", key, secret, ("Admin", "Read", "Write", "List", "Tagging"))
     try:
         # a bucket of its own tells when the server is ready; the bench makes its own
-        server = start(weed, Path(directory), [admin], ["kvhex-bench-ready"])
+        server = start(weed, Path(directory), [admin], ["kvhex-bench-ready"], volume_mb=VOLUME_MB)
     except BaseException:
         shutil.rmtree(directory, ignore_errors=True)
         raise

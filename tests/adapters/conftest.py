@@ -122,8 +122,11 @@ class Wire:
     requests: list[tuple[str, str, dict[str, str]]]
     keep_alive: bool
     refused_agents: dict[str, int]
-    """User agent -> the status the server answers its block GETs with (403: as a proxy that
-    rejects their signature would; 503: throttled); a test may set it."""
+    """User agent -> the status the server answers its block requests of
+    :attr:`refused_methods` with (403: as a proxy that rejects their signature would; 503:
+    throttled); a test may set it."""
+    refused_methods: set[str] = attrs.field(factory=lambda: {"GET"})
+    """The methods :attr:`refused_agents` applies to (GET unless a test adds others)."""
     gather: dict[str, int] = attrs.field(factory=dict)
     """Method -> how many block requests of that method the server holds until they are
     all in flight at once (or ``GATHER_TIMEOUT_S`` passed); a test may set it."""
@@ -165,6 +168,7 @@ def wire_s3_server(request: pytest.FixtureRequest) -> Iterator[Wire]:
     requests: list[tuple[str, str, dict[str, str]]] = []
     keep_alive = request.param == "keep-alive"
     refused_agents: dict[str, int] = {}
+    refused_methods = {"GET"}
     gather: dict[str, int] = {}
     peak: dict[str, int] = {}
     arrived = threading.Condition()
@@ -198,7 +202,7 @@ def wire_s3_server(request: pytest.FixtureRequest) -> Iterator[Wire]:
         environ: dict[str, Any], start_response: Any, headers: dict[str, str], path: str
     ) -> Any:
         status = refused_agents.get(headers.get("user-agent", ""))
-        if status and environ["REQUEST_METHOD"] == "GET" and path.endswith(".blk"):
+        if status and environ["REQUEST_METHOD"] in refused_methods and path.endswith(".blk"):
             code = "SignatureDoesNotMatch" if status == 403 else "SlowDown"
             body = f"<Error><Code>{code}</Code></Error>".encode()
             start_response(
@@ -260,6 +264,7 @@ def wire_s3_server(request: pytest.FixtureRequest) -> Iterator[Wire]:
         requests,
         keep_alive=keep_alive,
         refused_agents=refused_agents,
+        refused_methods=refused_methods,
         gather=gather,
         peak=peak,
     )

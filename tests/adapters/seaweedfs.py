@@ -83,11 +83,22 @@ def _free_ports(n: int) -> list[int]:
 
 
 def start_seaweedfs(
-    weed: str, directory: Path, identities: list[Identity], buckets: list[str]
+    weed: str,
+    directory: Path,
+    identities: list[Identity],
+    buckets: list[str],
+    *,
+    volume_mb: int = 16,
 ) -> SeaweedFS:
     """Start ``weed mini`` in ``directory`` with ``identities`` and ``buckets`` made, and
     return once the first identity can see every bucket. Raises ``RuntimeError`` (with the
-    server's log) when it exits or is not ready in :data:`READY_S`."""
+    server's log) when it exits or is not ready in :data:`READY_S`.
+
+    ``volume_mb``: the size of a volume (every bucket is a collection with volumes of its
+    own). Small volumes leave room for the hundreds of buckets a test session makes (at 128
+    MB the volume slots ran out); a server that writes many MB into one bucket wants large
+    ones, or it spends its time growing volumes (a new one every ``volume_mb``, each taking
+    hundreds of milliseconds under load)."""
     import boto3
 
     data = directory / "data"
@@ -120,9 +131,7 @@ def start_seaweedfs(
         f"-s3.config={config}",
         "-s3.port.iceberg=0",
         "-s3.port.lance=0",
-        # every bucket is a collection with volumes of its own: small volumes leave room for
-        # the hundreds of buckets a session makes (at 128 MB the volume slots ran out)
-        "-master.volumeSizeLimitMB=16",
+        f"-master.volumeSizeLimitMB={volume_mb}",
         *(f"-{flag}={port}" for flag, port in ports.items()),
     ]
     log = directory / "weed.log"

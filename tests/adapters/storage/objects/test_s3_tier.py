@@ -286,6 +286,84 @@ def test_reads_go_straight_into_the_slots_by_signed_gets_of_their_own(
         assert f"Credential={CREDENTIALS['key']}/" in headers["authorization"]
 
 
+def test_writes_go_straight_from_the_slots_by_signed_puts_of_their_own(
+    wire_s3_server: Wire,
+) -> None:
+    """On an S3-compatible endpoint a block's PUT is kvhex's own: signed with the tier's
+    key, its payload not hashed into the signature (``UNSIGNED-PAYLOAD``: the block's
+    header carries its checksum, verified on every read), and the object is the whole block
+    (header area, then the slot's bytes), which a tier reading through s3fs alone serves."""
+    import s3fs
+
+    from kvhex.adapters.storage.format import HEADER_AREA
+
+    wire = wire_s3_server
+    host = MemoryHostBuffer(2, SLOT)
+    fill(host, 2, 11)
+    expected = [bytes(host.slot_view(s)) for s in range(2)]
+    store = tier(host, wire.endpoint, wire.bucket)
+    assert run(store, JobKind.PUT, [0, 1]).success
+    store.close()
+    puts = wire.block_requests("PUT")
+    assert len(puts) == 2
+    for headers in puts:
+        assert headers["user-agent"] == "kvhex"
+        assert headers["x-amz-content-sha256"] == "UNSIGNED-PAYLOAD"
+        assert f"Credential={CREDENTIALS['key']}/" in headers["authorization"]
+    fs = s3fs.S3FileSystem(**s3_options(wire.endpoint))
+    blocks = [p for p in fs.find(wire.bucket) if p.endswith(".blk")]
+    bodies = [fs.cat(p) for p in blocks]
+    assert sorted(len(b) for b in bodies) == [HEADER_AREA + SLOT] * 2
+    assert sorted(b[HEADER_AREA:] for b in bodies) == sorted(expected)
+    # a tier that asks for signed payloads sends and reads through s3fs, and serves them
+    signed = s3_options(wire.endpoint, config_kwargs={"s3": {"payload_signing_enabled": True}})
+    other = tier(host, wire.endpoint, wire.bucket, name="s3-signed", storage_options=signed)
+    fill(host, 2, 99)
+    assert run(other, JobKind.GET, [0, 1], [1, 0]).success
+    assert run(other, JobKind.PUT, [2], [0]).success
+    other.close()
+    assert [bytes(host.slot_view(s)) for s in range(2)] == expected[::-1]
+    last = wire.block_requests("PUT")[-1]
+    assert last["user-agent"] != "kvhex"
+    assert last["x-amz-content-sha256"] != "UNSIGNED-PAYLOAD"
+    assert all(h["user-agent"] != "kvhex" for h in wire.block_requests("GET"))
+
+
+def test_own_puts_the_server_keeps_refusing_give_way_to_s3fs_for_good(
+    wire_s3_server: Wire,
+) -> None:
+    """A server (or a proxy before it) that refuses the tier's own PUTs but takes s3fs's:
+    every block is stored and served exact; after ``REFUSED_JOBS`` such jobs in a row the
+    tier stops sending its own requests and says why, once."""
+    from structlog.testing import capture_logs
+
+    from kvhex.adapters.storage.objects.mover import REFUSED_JOBS
+
+    wire = wire_s3_server
+    wire.refused_agents["kvhex"] = 403
+    wire.refused_methods.clear()
+    wire.refused_methods.add("PUT")
+    host = MemoryHostBuffer(2, SLOT)
+    store = tier(host, wire.endpoint, wire.bucket)
+    jobs = REFUSED_JOBS + 2
+    with capture_logs() as logs:
+        for job in range(jobs):
+            fill(host, 2, job)
+            assert run(store, JobKind.PUT, [2 * job, 2 * job + 1]).success
+    for job in range(jobs):
+        assert run(store, JobKind.GET, [2 * job, 2 * job + 1]).success
+        assert [bytes(host.slot_view(s)) for s in range(2)] == [
+            bytes([(job + s) % 256]) * SLOT for s in range(2)
+        ]
+    store.close()
+    agents = [headers["user-agent"] for headers in wire.block_requests("PUT")]
+    assert agents.count("kvhex") == REFUSED_JOBS * 2
+    assert len(agents) == (2 * REFUSED_JOBS + (jobs - REFUSED_JOBS)) * 2  # then s3fs's alone
+    off = [entry for entry in logs if entry["event"] == "s3_direct_requests_off"]
+    assert len(off) == 1
+    assert off[0]["last_refusal"] == "PUT HTTP 403"
+
+
 def stored(wire: Wire, n: int) -> tuple[MemoryHostBuffer, list[bytes], FsspecTierStore]:
     """A tier on ``wire`` that stored ``n`` blocks from host slots ``0..n-1``; the host
     buffer and those blocks' bytes."""
@@ -340,9 +418,9 @@ def test_own_gets_the_server_keeps_refusing_give_way_to_s3fs_for_good(
     agents = [headers["user-agent"] for headers in wire.block_requests("GET")]
     assert agents.count("kvhex") == REFUSED_JOBS * n
     assert len(agents) == (2 * REFUSED_JOBS + 2) * n  # then s3fs's alone
-    off = [entry for entry in logs if entry["event"] == "s3_direct_reads_off"]
+    off = [entry for entry in logs if entry["event"] == "s3_direct_requests_off"]
     assert len(off) == 1
-    assert off[0]["last_refusal"] == "HTTP 403"
+    assert off[0]["last_refusal"] == "GET HTTP 403"
 
 
 @pytest.mark.parametrize("status", [403, 503], ids=["refused-for-a-while", "throttled"])
@@ -388,15 +466,15 @@ def test_reads_are_left_to_s3fs_where_a_request_is_not_plain(
     check asked of botocore or an IPv6 endpoint: s3fs reads, as botocore builds requests for
     that client."""
     from kvhex.adapters.storage.namespace import StoreOptions, open_fs
-    from kvhex.adapters.storage.objects.s3_direct import DirectReader
+    from kvhex.adapters.storage.objects.s3_direct import DirectS3
 
     fs, _, _ = open_fs("s3://b/kv", s3_options(endpoint, **extra), "s3", StoreOptions())
     fs.connect()
-    assert DirectReader.of(fs) is None
+    assert DirectS3.of(fs) is None
     plain, _, _ = open_fs("s3://b/kv", s3_options("http://127.0.0.1:9"), "s3", StoreOptions())
     plain.connect()
-    reader = DirectReader.of(plain)
-    assert isinstance(reader, DirectReader)
+    reader = DirectS3.of(plain)
+    assert isinstance(reader, DirectS3)
     reader.close()
 
 

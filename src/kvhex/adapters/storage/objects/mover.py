@@ -1,11 +1,12 @@
 """``FsspecObjectMover``: blocks into and out of objects through fsspec, the default mover of
 :class:`~kvhex.adapters.storage.objects.io.ObjectIo`.
 
-A job's objects go out as one concurrent s3fs ``pipe``; they come back, on an S3-compatible
-endpoint, by the tier's own signed GETs straight into the host slots
-(:mod:`kvhex.adapters.storage.objects.s3_direct`), and otherwise as one s3fs ``cat``.
+On an S3-compatible endpoint a job's blocks go out and come back by the tier's own signed
+requests, straight from and into the host slots
+(:mod:`kvhex.adapters.storage.objects.s3_direct`); otherwise, and for whatever those leave, a
+job's objects go out as one concurrent s3fs ``pipe`` and come back as one s3fs ``cat``.
 
-Threads: every method may run on any IO thread; ``_reads_lock`` guards the choice of reads.
+Threads: every method may run on any IO thread; ``_lock`` guards the choice of requests.
 """
 
 from __future__ import annotations
@@ -20,34 +21,34 @@ import structlog
 from kvhex.adapters.storage.block_io import Records, StoreLost
 from kvhex.adapters.storage.format import HEADER_AREA, pack_header
 from kvhex.adapters.storage.objects._errors import store_error
-from kvhex.adapters.storage.objects.s3_direct import FALLBACK, REFUSED, DirectReader
+from kvhex.adapters.storage.objects.s3_direct import FALLBACK, REFUSED, DirectS3
 from kvhex.domain.keys import OffloadKey
 
 log = structlog.get_logger(__name__)
 
 REFUSED_JOBS = 3
-"""Get jobs in a row whose every own GET the server refused (a 4xx answer), while s3fs was
-served the same objects, before the fsspec tier reads through s3fs only."""
+"""Jobs in a row whose every own request the server refused (a 4xx answer), while s3fs was
+served the same objects, before the fsspec tier goes through s3fs only."""
 
 
-class _Reads(enum.Enum):
-    """How :class:`FsspecObjectMover` reads blocks."""
+class _Requests(enum.Enum):
+    """Whose requests :class:`FsspecObjectMover` sends."""
 
     UNKNOWN = "unknown"
-    """Not decided yet: the first get decides, once the namespace's client exists."""
+    """Not decided yet: the first job decides, once the namespace's client exists."""
     DIRECT = "direct"
-    """The tier's own signed GETs straight into the slots, s3fs for what they leave."""
+    """The tier's own signed requests, from and into the slots; s3fs for what they leave."""
     S3FS = "s3fs"
     """s3fs only: an endpoint whose requests are not plain to build, or a server that
-    refused the own GETs ``REFUSED_JOBS`` jobs in a row."""
+    refused the own requests ``REFUSED_JOBS`` jobs in a row."""
 
 
 class FsspecObjectMover:
-    """Blocks as objects through fsspec: a job's objects go out as one concurrent ``pipe``
-    (a block's object built with one copy of the payload). They come back, on an
-    S3-compatible endpoint, by signed GETs straight into the host slots
-    (:class:`~kvhex.adapters.storage.objects.s3_direct.DirectReader`), and otherwise, or whatever
-    those leave, as one ``cat`` copied into the slots."""
+    """Blocks as objects through fsspec. On an S3-compatible endpoint by signed requests
+    straight from and into the host slots
+    (:class:`~kvhex.adapters.storage.objects.s3_direct.DirectS3`); otherwise, or for whatever
+    those leave, a job's objects go out as one concurrent ``pipe`` (a block's object built
+    with one copy of the payload) and come back as one ``cat`` copied into the slots."""
 
     def __init__(self, fs: Any, url: str) -> None:
         self.fs = fs
@@ -55,10 +56,10 @@ class FsspecObjectMover:
         # s3fs asks for an object's size (a HEAD) before every GET unless told to read each
         # object in one request: a block is one object, read whole
         self._cat_options = {"max_concurrency": 1} if hasattr(fs, "max_concurrency") else {}
-        self._reads = _Reads.UNKNOWN
-        self._reader: DirectReader | None = None  # open until the mover closes
-        self._reads_lock = threading.Lock()
-        self._refused_jobs = 0  # jobs in a row whose every own GET s3fs had to serve
+        self._requests = _Requests.UNKNOWN
+        self._direct: DirectS3 | None = None  # open until the mover closes
+        self._lock = threading.Lock()
+        self._refused_jobs = 0  # jobs in a row whose every own request s3fs had to serve
 
     def put_objects(
         self,
@@ -66,7 +67,76 @@ class FsspecObjectMover:
         records: Records | None = None,
     ) -> list[str | None]:
         """PUT every object (its header keeping the key's chunk record from ``records``);
-        after a failed batch, what landed counts as written."""
+        per object ``None`` once stored, or why not."""
+        direct = self._direct_requests()
+        if direct is None:
+            return self._pipe(objects, records)
+        sent = [
+            (path, pack_header(key, view, None, records.get(key, b"") if records else b""), view)
+            for path, key, view in objects
+        ]
+        answers = direct.write(sent)
+        out: list[str | None] = [None] * len(objects)
+        rest = [i for i, got in enumerate(answers) if got is FALLBACK or got is REFUSED]
+        if rest:
+            for i, why in zip(rest, self._pipe([objects[i] for i in rest], records), strict=True):
+                out[i] = why
+        # s3fs stored what the server refused the tier's own PUTs
+        refused = bool(answers) and all(got is REFUSED for got in answers)
+        self._judge(direct, refused and any(why is None for why in out))
+        return out
+
+    def get_objects(self, objects: Sequence[tuple[str, memoryview]]) -> list[bytes | None]:
+        """GET every object; the header of each whole block, ``None`` if absent, ``b""`` if
+        not a whole block.
+
+        Raises:
+            StoreLost: the bucket is gone.
+            OSError: the store failed; the message names the cause.
+        """
+        direct = self._direct_requests()
+        if direct is None:
+            return self._cat(objects)
+        out = direct.read(objects)
+        refused = all(got is REFUSED for got in out)
+        rest = [i for i, got in enumerate(out) if got is FALLBACK or got is REFUSED]
+        if rest:
+            for i, got in zip(rest, self._cat([objects[i] for i in rest]), strict=True):
+                out[i] = got
+        # s3fs found what the server refused the tier's own GETs
+        self._judge(direct, refused and any(got is not None for got in out))
+        return out
+
+    def _direct_requests(self) -> DirectS3 | None:
+        """The tier's own requests, where they are on."""
+        with self._lock:
+            if self._requests is _Requests.UNKNOWN:  # the client exists once the namespace
+                self._direct = DirectS3.of(self.fs)  # was opened
+                self._requests = _Requests.S3FS if self._direct is None else _Requests.DIRECT
+            return self._direct if self._requests is _Requests.DIRECT else None
+
+    def _judge(self, direct: DirectS3, refused: bool) -> None:
+        """After ``REFUSED_JOBS`` jobs in a row whose own requests the server refused (a
+        proxy that rejects their signature, say) while serving s3fs the same objects, every
+        request goes through s3fs: one request per block, not two. Server errors and broken
+        connections (a server restarting, throttling) do not count."""
+        with self._lock:
+            self._refused_jobs = self._refused_jobs + 1 if refused else 0
+            if self._refused_jobs < REFUSED_JOBS or self._requests is not _Requests.DIRECT:
+                return
+            # the requests object stays open: another IO thread may be inside it
+            self._requests = _Requests.S3FS
+        log.warning(
+            "s3_direct_requests_off", url=self.url, jobs=REFUSED_JOBS, last_refusal=direct.refusal
+        )
+
+    def _pipe(
+        self,
+        objects: Sequence[tuple[str, OffloadKey, memoryview]],
+        records: Records | None,
+    ) -> list[str | None]:
+        """:meth:`put_objects` through one s3fs ``pipe``; after a failed batch, what landed
+        counts as written."""
         payload = {}
         for path, key, view in objects:
             data = bytearray(HEADER_AREA + len(view))
@@ -88,46 +158,6 @@ class FsspecObjectMover:
                 landed = set()
             return [None if path in landed else str(failure) for path, _, _ in objects]
         return [None] * len(objects)
-
-    def get_objects(self, objects: Sequence[tuple[str, memoryview]]) -> list[bytes | None]:
-        """GET every object; the header of each whole block, ``None`` if absent, ``b""`` if
-        not a whole block.
-
-        Raises:
-            StoreLost: the bucket is gone.
-            OSError: the store failed; the message names the cause.
-        """
-        with self._reads_lock:
-            if self._reads is _Reads.UNKNOWN:  # the client exists once the namespace was opened
-                self._reader = DirectReader.of(self.fs)
-                self._reads = _Reads.S3FS if self._reader is None else _Reads.DIRECT
-            direct = self._reader if self._reads is _Reads.DIRECT else None
-        if direct is None:
-            return self._cat(objects)
-        out = direct.read(objects)
-        refused = all(got is REFUSED for got in out)
-        rest = [i for i, got in enumerate(out) if got is FALLBACK or got is REFUSED]
-        if rest:
-            for i, got in zip(rest, self._cat([objects[i] for i in rest]), strict=True):
-                out[i] = got
-        # s3fs found what the server refused the reader
-        self._judge(direct, refused and any(got is not None for got in out))
-        return out
-
-    def _judge(self, direct: DirectReader, refused: bool) -> None:
-        """After ``REFUSED_JOBS`` jobs in a row whose own GETs the server refused (a proxy
-        that rejects their signature, say) while serving s3fs the same objects, reads go
-        through s3fs only: one request per block, not two. Server errors and broken
-        connections (a server restarting, throttling) do not count."""
-        with self._reads_lock:
-            self._refused_jobs = self._refused_jobs + 1 if refused else 0
-            if self._refused_jobs < REFUSED_JOBS or self._reads is not _Reads.DIRECT:
-                return
-            # the reader stays open: another IO thread may be inside its read()
-            self._reads = _Reads.S3FS
-        log.warning(
-            "s3_direct_reads_off", url=self.url, jobs=REFUSED_JOBS, last_refusal=direct.refusal
-        )
 
     def _cat(self, objects: Sequence[tuple[str, memoryview]]) -> list[bytes | None]:
         """:meth:`get_objects` through one s3fs ``cat``."""
@@ -151,10 +181,10 @@ class FsspecObjectMover:
         return out
 
     def close(self) -> None:
-        """Stop the direct reader's request threads, if it has one."""
-        with self._reads_lock:
-            if self._reader is not None:
-                self._reader.close()
+        """Stop the direct requests' threads, if there are any."""
+        with self._lock:
+            if self._direct is not None:
+                self._direct.close()
 
 
 def exists_paths(fs: Any, paths: list[str]) -> set[str]:

@@ -1,28 +1,32 @@
-"""Block reads from an S3-compatible endpoint straight into host memory: the read path of the
-fsspec tier on ``s3://`` where its requests are plain to build.
+"""Blocks to and from an S3-compatible endpoint straight out of and into host memory: the
+data path of the fsspec tier on ``s3://`` where its requests are plain to build.
 
-s3fs runs every request of a process on one asyncio loop thread. On reads that thread's Python
-work (botocore building and parsing each request, aiohttp taking the body in chunks and joining
-them into one ``bytes``) was the tier's limit: it ran all the time while the server waited
-(docs/performance.md). Here the reader's own threads send GETs with ``http.client``, signed
-with SigV4 by botocore from the s3fs client's credentials, region and endpoint, and receive
-each block with ``recv_into``: its header area into a small buffer, its payload straight into
-the host slot. No event loop, no copy; the socket waits release the GIL.
+s3fs runs every request of a process on one asyncio loop thread. That thread's Python work
+(botocore building, hashing and parsing each request, aiohttp taking a body in chunks and
+joining them into one ``bytes``, or copying one out) was the tier's limit: it ran all the time
+while the server waited (docs/performance.md). Here the tier's own threads send requests with
+``http.client``, signed with SigV4 by botocore from the s3fs client's credentials, region and
+endpoint. A GET receives each block with ``recv_into``: its header area into a small buffer,
+its payload straight into the host slot. A PUT sends the header area and then the payload from
+the host slot as they are, unhashed (``UNSIGNED-PAYLOAD``: the block's own XXH3 checksum, in
+its header, is verified on every read). No event loop, no copy; the socket waits release the
+GIL.
 
 Used only where a request is plain to build the way botocore builds it for that client: a
 custom ``endpoint_url`` (S3-compatible servers, not an IPv6 literal) with path-style
 addressing, over http or https with the default certificate checks, a path of URL-safe
-characters, and no CRC check of each response asked of botocore
-(``response_checksum_validation``). Otherwise, and for every answer but a whole block (200)
-or a missing key (404 ``NoSuchKey``), the read goes through s3fs, which names the cause (a
-lost bucket, credentials, an endpoint down: :mod:`kvhex.adapters.storage.objects._errors`).
-Refusals (a 4xx answer) are told apart from other fallbacks (:data:`REFUSED`), and
-:attr:`DirectReader.refusal` keeps the last one, for the caller that turns the reader off
-when the server keeps refusing it what s3fs is served.
+characters, no CRC asked of botocore (``response_checksum_validation`` for GETs,
+``request_checksum_calculation`` for PUTs) and no payload signing asked
+(``payload_signing_enabled``). Otherwise, and for every answer but a whole block (200) or a
+missing key (404 ``NoSuchKey``) to a GET and a stored object (200) to a PUT, the request goes
+through s3fs, which names the cause (a lost bucket, credentials, an endpoint down:
+:mod:`kvhex.adapters.storage.objects._errors`). Refusals (a 4xx answer) are told apart from
+other fallbacks (:data:`REFUSED`), and :attr:`DirectS3.refusal` keeps the last one, for the
+caller that turns direct requests off when the server keeps refusing them what s3fs is served.
 
-Threads: :meth:`DirectReader.read` runs on any IO thread and hands a job's GETs to the
-reader's own request threads (:data:`REQUESTS_IN_FLIGHT`), each keeping its own connection
-(kept alive when the server allows it, closed by :meth:`DirectReader.close`).
+Threads: :meth:`DirectS3.read` and :meth:`DirectS3.write` run on any IO thread and hand a
+job's requests to the object's own request threads (:data:`REQUESTS_IN_FLIGHT`), each keeping
+its own connection (kept alive when the server allows it, closed by :meth:`DirectS3.close`).
 """
 
 from __future__ import annotations
@@ -32,7 +36,7 @@ import http.client
 import re
 import threading
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, ClassVar
 from urllib.parse import urlsplit
 
 import structlog
@@ -42,24 +46,36 @@ from kvhex.adapters.storage.format import HEADER_AREA
 log = structlog.get_logger(__name__)
 
 FALLBACK = object()
-"""What :meth:`DirectReader.read` answers for an object it left to s3fs."""
+"""What :meth:`DirectS3.read` and :meth:`DirectS3.write` answer for an object they left to
+s3fs."""
 REFUSED = object()
-"""What :meth:`DirectReader.read` answers for an object the server refused it with a client
-error (4xx but ``NoSuchKey``): left to s3fs too. A server that keeps refusing GETs that s3fs
-is served (a proxy rejecting their signature) is not going to serve them."""
+"""What :meth:`DirectS3.read` and :meth:`DirectS3.write` answer for an object the server
+refused with a client error (4xx but a GET's ``NoSuchKey``): left to s3fs too. A server that
+keeps refusing requests that s3fs is served (a proxy rejecting their signature) is not going
+to serve them."""
 _PLAIN_PATH = re.compile(r"[A-Za-z0-9._~/-]+")
 REQUESTS_IN_FLIGHT = 32
-"""GETs in flight at once, over every IO thread's jobs (one connection each): a job's
-blocks are read side by side, as s3fs's batches are, so a server's latency is paid once per
-batch, not once per block."""
+"""Requests in flight at once, over every IO thread's jobs (one connection each): a job's
+blocks are read or written side by side, as s3fs's batches are, so a server's latency is paid
+once per batch, not once per block."""
 _TIMEOUT_S = 60.0
 """Seconds a socket may wait, where the client's config gives no timeouts (botocore's own
 connect and read timeouts otherwise, the longer of the two)."""
 _AWS_HOSTS = (".amazonaws.com", ".amazonaws.com.cn")
 
 
-class DirectReader:
-    """Signed GETs for the objects of one s3fs filesystem. Build with :meth:`of`."""
+class _UnsignedPayload:
+    """What botocore's S3 signer reads from a client's config to leave a payload out of the
+    signature (``UNSIGNED-PAYLOAD``): a block's integrity is its own checksum's."""
+
+    s3: ClassVar[dict[str, bool]] = {"payload_signing_enabled": False}
+
+
+_UNSIGNED_PAYLOAD = _UnsignedPayload()
+
+
+class DirectS3:
+    """Signed GETs and PUTs for the objects of one s3fs filesystem. Build with :meth:`of`."""
 
     def __init__(
         self, fs: Any, scheme: str, host: str, port: int | None, *, region: str, timeout: float
@@ -72,25 +88,29 @@ class DirectReader:
         self._origin = f"{scheme}://{host}" + (f":{port}" if port else "")
         self._region = region
         self.refusal: str | None = None
-        """The status of the last refused GET (``HTTP 403``, say)."""
+        """The method and status of the last refused request (``GET HTTP 403``, say)."""
         self._local = threading.local()
         self._connections: set[http.client.HTTPConnection] = set()
         self._connections_lock = threading.Lock()
         self._pool = cf.ThreadPoolExecutor(REQUESTS_IN_FLIGHT, thread_name_prefix="kvhex-s3-get")
 
     @classmethod
-    def of(cls, fs: Any) -> DirectReader | None:
-        """A reader for ``fs`` (an s3fs filesystem whose client was made), or ``None`` where
-        its requests are not plain to build (see the module docstring)."""
+    def of(cls, fs: Any) -> DirectS3 | None:
+        """Direct requests for ``fs`` (an s3fs filesystem whose client was made), or ``None``
+        where its requests are not plain to build (see the module docstring)."""
         meta = getattr(getattr(fs, "s3", None), "meta", None)
         if meta is None or "verify" in (getattr(fs, "client_kwargs", None) or {}):
             return None
-        addressing = (getattr(meta.config, "s3", None) or {}).get("addressing_style") or "auto"
+        s3_config = getattr(meta.config, "s3", None) or {}
+        addressing = s3_config.get("addressing_style") or "auto"
         parts = urlsplit(meta.endpoint_url or "")
         if (
             addressing == "virtual"
-            # a user who asked botocore to check each GET's CRC gets botocore's reads
+            # a user who asked botocore for a CRC of each request, or to hash each PUT's
+            # payload into its signature, gets botocore's requests
             or getattr(meta.config, "response_checksum_validation", None) == "when_supported"
+            or getattr(meta.config, "request_checksum_calculation", None) == "when_supported"
+            or s3_config.get("payload_signing_enabled")
             or parts.scheme not in ("http", "https")
             or not parts.hostname
             or ":" in parts.hostname  # an IPv6 literal
@@ -125,6 +145,24 @@ class DirectReader:
             return [get(objects[0])]
         return list(self._pool.map(get, objects))
 
+    def write(self, objects: Sequence[tuple[str, bytes, memoryview]]) -> list[Any]:
+        """PUT each (path, header area, payload), the two sent as they are: per object
+        ``None`` once the server stored it, :data:`REFUSED` (a client error) or
+        :data:`FALLBACK` (left to s3fs: any other answer or failure)."""
+        credentials = self._credentials()
+        if credentials is FALLBACK:
+            return [FALLBACK] * len(objects)
+
+        def put(one: tuple[str, bytes, memoryview]) -> Any:
+            path, header, payload = one
+            if not _PLAIN_PATH.fullmatch(path):
+                return FALLBACK
+            return self._put(path, header, payload, credentials)
+
+        if len(objects) == 1:
+            return [put(objects[0])]
+        return list(self._pool.map(put, objects))
+
     def close(self) -> None:
         """Stop the request threads and close their connections."""
         self._pool.shutdown(wait=True)
@@ -149,8 +187,7 @@ class DirectReader:
             return FALLBACK
 
     def _get(self, path: str, view: memoryview, credentials: Any) -> Any:
-        url = f"{self._origin}/{path}"
-        headers = self._signed(url, credentials)
+        headers = self._signed("GET", path, credentials, {})
         for attempt in (0, 1):  # a kept-alive connection the server closed meanwhile: once more
             conn = self._connection(fresh=attempt > 0)
             try:
@@ -162,6 +199,36 @@ class DirectReader:
             except (OSError, http.client.HTTPException):
                 conn.close()
                 return FALLBACK
+        return FALLBACK
+
+    def _put(self, path: str, header: bytes, payload: memoryview, credentials: Any) -> Any:
+        length = str(len(header) + len(payload))
+        headers = self._signed("PUT", path, credentials, {"Content-Length": length})
+        for attempt in (0, 1):  # as for a GET: a PUT of the same bytes again is harmless
+            conn = self._connection(fresh=attempt > 0)
+            try:
+                conn.putrequest("PUT", f"/{path}", skip_accept_encoding=True)
+                for name, value in headers.items():
+                    conn.putheader(name, value)
+                conn.endheaders()
+                conn.send(header)
+                conn.send(payload)
+                response = conn.getresponse()
+                response.read(64 << 10)  # an answer to a PUT is small: read, so the
+                if response.will_close or not response.isclosed():  # connection is reusable
+                    conn.close()
+            except (http.client.RemoteDisconnected, ConnectionResetError, BrokenPipeError):
+                conn.close()
+                continue
+            except (OSError, http.client.HTTPException):
+                conn.close()
+                return FALLBACK
+            if response.status == 200:
+                return None
+            if 400 <= response.status < 500 and response.status != 404:
+                self.refusal = f"PUT HTTP {response.status}"
+                return REFUSED
+            return FALLBACK  # a lost bucket (404), a server error: s3fs retries and names it
         return FALLBACK
 
     def _answer(
@@ -184,15 +251,22 @@ class DirectReader:
         if response.status == 404 and b"<Code>NoSuchKey</Code>" in body:
             return None
         if 400 <= response.status < 500:
-            self.refusal = f"HTTP {response.status}"
+            self.refusal = f"GET HTTP {response.status}"
             return REFUSED
         return FALLBACK  # a server error (503 SlowDown, say) is s3fs's to retry
 
-    def _signed(self, url: str, credentials: Any) -> dict[str, str]:
+    def _signed(
+        self, method: str, path: str, credentials: Any, headers: dict[str, str]
+    ) -> dict[str, str]:
+        """The headers of a ``method`` request on ``path``, signed (a PUT's payload not
+        hashed into the signature: ``UNSIGNED-PAYLOAD``)."""
         from botocore.auth import S3SigV4Auth
         from botocore.awsrequest import AWSRequest
 
-        request = AWSRequest(method="GET", url=url, headers={"User-Agent": "kvhex"})
+        request = AWSRequest(
+            method=method, url=f"{self._origin}/{path}", headers={"User-Agent": "kvhex", **headers}
+        )
+        request.context["client_config"] = _UNSIGNED_PAYLOAD
         if credentials is not None:
             S3SigV4Auth(credentials, "s3", self._region).add_auth(request)
         return dict(request.headers.items())
