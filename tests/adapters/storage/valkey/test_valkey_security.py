@@ -374,3 +374,33 @@ def test_a_wrong_user_password_is_reported_at_password(valkey_standalone: Server
             }
         )
     assert path == "$.tiers[0].options.password"
+
+
+# -- the password from a file ------------------------------------------------------------------
+def test_a_password_file_stands_for_the_password(valkey_standalone: Server, tmp_path: Path) -> None:
+    secret = tmp_path / "valkey-password"
+    secret.write_text(PASSWORD + "\n")  # as `echo` writes it
+    secret.chmod(0o600)
+    url = f"valkey://127.0.0.1:{valkey_standalone.port}/{_prefix()}"
+    store = _store(url, password_file=str(secret))
+    try:
+        _round_trip(store)
+    finally:
+        store.close()
+
+
+@pytest.mark.parametrize("problem", ["missing", "both"])
+def test_a_password_file_that_cannot_serve_is_reported_at_password_file(
+    valkey_standalone: Server, tmp_path: Path, problem: str
+) -> None:
+    secret = tmp_path / "valkey-password"
+    options: dict[str, Any] = {
+        "url": f"valkey://127.0.0.1:{valkey_standalone.port}/{_prefix()}",
+        "password_file": str(secret),
+    }
+    if problem == "both":
+        secret.write_text(PASSWORD)
+        options["password"] = PASSWORD
+    path, why = _fails(options)
+    assert path == "$.tiers[0].options.password_file"
+    assert ("FileNotFoundError" if problem == "missing" else "not both") in why

@@ -69,6 +69,9 @@ class ValkeyTierStore(BlockTierStore):
             ``cluster_enabled``; ``True`` requires a cluster, ``False`` talks to the first
             node alone.
         username, password: ACL credentials (never logged, never in events or errors).
+        password_file: a file holding the password instead (a mounted secret: vLLM logs its
+            whole ``kv_connector_extra_config`` at start-up, so a password given there is in
+            vLLM's log); one trailing newline is dropped.
         tls: TLS without the ``valkeys://`` scheme; ``tls_ca_file``, ``tls_cert_file``,
             ``tls_key_file``: the CA bundle and the client certificate and key (PEM).
         connect_timeout_s, command_timeout_s: seconds to connect, and to wait for a reply.
@@ -85,7 +88,8 @@ class ValkeyTierStore(BlockTierStore):
         TierUnavailable: the url is malformed, no node answers, the credentials are refused,
             the cluster is not ``ok``, or the namespace records another configuration; the
             message names the cause and :attr:`~TierUnavailable.option` the option to fix
-            (``url``, ``password``, ``username``, ``cluster``, ``tls_ca_file``,
+            (``url``, ``password``, ``password_file``, ``username``, ``cluster``,
+            ``tls_ca_file``,
             ``capacity_bytes``, ``eviction``: an unknown value, or a server that refuses
             ``CONFIG``, needed to turn keyspace notifications on).
     """
@@ -104,6 +108,7 @@ class ValkeyTierStore(BlockTierStore):
         cluster: bool | None = None,
         username: str | None = None,
         password: str | None = None,
+        password_file: str | None = None,
         tls: bool = False,
         tls_ca_file: str | None = None,
         tls_cert_file: str | None = None,
@@ -126,7 +131,7 @@ class ValkeyTierStore(BlockTierStore):
         endpoint = parse_url(url, tier=name)
         conn = Connection(
             username=username,
-            password=password,
+            password=_password(password, password_file, tier=name),
             tls=tls or endpoint.tls,
             tls_ca_file=tls_ca_file,
             tls_cert_file=tls_cert_file,
@@ -213,6 +218,32 @@ class ValkeyTierStore(BlockTierStore):
         for listed in listings:
             gone += [k for k in held if k not in listed]
         self._evicted_pending = self.drop_lost(gone) if gone else set()
+
+
+def _password(password: str | None, password_file: str | None, *, tier: str) -> str | None:
+    """The password given, or read from ``password_file``.
+
+    Raises:
+        TierUnavailable: both are given, or the file cannot be read (at ``password_file``;
+            the message never holds the file's content).
+    """
+    if password_file is None:
+        return password
+    if password is not None:
+        raise TierUnavailable(
+            "give password or password_file, not both", tier=tier, option="password_file"
+        )
+    try:
+        with open(password_file, encoding="utf-8") as file:
+            text = file.read()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise TierUnavailable(
+            f"cannot read the password from {password_file!r}: {type(exc).__name__}"
+            + (f" ({exc.strerror})" if isinstance(exc, OSError) and exc.strerror else ""),
+            tier=tier,
+            option="password_file",
+        ) from None
+    return text[:-1] if text.endswith("\n") else text
 
 
 def _bound(eviction: str, capacity_bytes: int | None, block: int, *, tier: str) -> int:
