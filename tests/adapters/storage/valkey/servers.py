@@ -114,13 +114,58 @@ def start_cluster(root: Path) -> list[Server]:
     return nodes
 
 
-def _build(nodes: Sequence[Server]) -> None:
-    for node in nodes:
+def start_replicated_cluster(root: Path) -> tuple[list[Server], list[Server]]:
+    """Three primaries holding every slot and a replica of each (primaries, replicas), once
+    ``cluster_state`` is ``ok`` and every replica is in sync: killing a primary makes the
+    cluster promote its replica (within about ``--cluster-node-timeout``, 2 s here)."""
+    args = ["--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
+            "--cluster-node-timeout", "2000"]  # fmt: skip
+    nodes = [Server(free_cluster_port(), root / f"node{i}", args) for i in range(6)]
+    primaries, replicas = nodes[:3], nodes[3:]
+    try:
+        _build(primaries, also=replicas)
+        for primary, replica in zip(primaries, replicas, strict=True):
+            node_id = client(primary.port).execute_command("CLUSTER", "MYID")
+            _until(
+                lambda r=replica, n=node_id: _replicates(r, n),
+                "a replica joined its primary",
+            )
+        wait_cluster_ok(nodes)
+    except BaseException:
+        for node in nodes:
+            node.kill()
+        raise
+    return primaries, replicas
+
+
+def _replicates(replica: Server, node_id: Any) -> bool:
+    """Ask ``replica`` to replicate ``node_id`` (once it knows that node); whether it is in
+    sync with it."""
+    c = client(replica.port)
+    if c.info("replication").get("master_link_status") == "up":
+        return True
+    try:
+        c.execute_command("CLUSTER", "REPLICATE", node_id)
+    except Exception:  # the node is not known to it yet: gossip takes a moment
+        return False
+    return False
+
+
+def _until(check: Any, what: str, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the Valkey cluster never got there: {what}")
+        time.sleep(0.1)
+
+
+def _build(nodes: Sequence[Server], also: Sequence[Server] = ()) -> None:
+    for node in [*nodes, *also]:
         node.start()
     first = client(nodes[0].port)
     for node, (lo, hi) in zip(nodes, SLOT_RANGES, strict=True):
         client(node.port).execute_command("CLUSTER", "ADDSLOTSRANGE", lo, hi)
-    for node in nodes[1:]:
+    for node in [*nodes[1:], *also]:
         first.execute_command("CLUSTER", "MEET", "127.0.0.1", node.port)
     wait_cluster_ok(nodes)
 

@@ -14,8 +14,14 @@ growing pause, enables the notifications again, and then lists the namespace (a 
 every primary) so that the tier drops whatever it still lists and the server no longer holds
 (:meth:`ServerDrops.take`).
 
-Threads: one daemon thread per node listens; :meth:`ServerDrops.take` runs on the
-scheduler thread; they share only a ``deque`` (appends and pops are atomic).
+A cluster's primaries change: a failover promotes a replica at another address. With
+``primaries`` (what the cluster says its primaries are now), a listener whose node is no
+longer a primary ends, and every primary nobody listens to gets a listener of its own, which
+lists the namespace once subscribed (``valkey_notifications_moved``).
+
+Threads: one daemon thread per primary listens; :meth:`ServerDrops.take` runs on the
+scheduler thread; they share only a ``deque`` (appends and pops are atomic). The listeners'
+table is guarded by a lock.
 """
 
 from __future__ import annotations
@@ -75,6 +81,9 @@ def enable_notifications(client: Any, where: str, *, tier: str) -> None:
         ) from exc
 
 
+Node = tuple[str, int]
+
+
 class ServerDrops:
     """Listens on ``nodes`` for the namespace's keys the server evicted or expired.
 
@@ -84,6 +93,8 @@ class ServerDrops:
         prefix: the namespace's key prefix (``PREFIX/<digest>/``).
         key_of: the block key of a Valkey key, ``None`` for others (``config.json``).
         listing: lists the namespace now (run on a listener thread after a reconnection).
+        primaries: the cluster's primaries now (asked on a listener thread while its node
+            is lost); ``None`` for a standalone server, whose address does not move.
         tier: the tier's name, for errors and logs.
 
     Raises:
@@ -93,12 +104,13 @@ class ServerDrops:
 
     def __init__(
         self,
-        nodes: Sequence[tuple[str, int]],
+        nodes: Sequence[Node],
         kwargs: dict[str, Any],
         prefix: bytes,
         key_of: Callable[[bytes], OffloadKey | None],
         listing: Callable[[], set[OffloadKey]],
         *,
+        primaries: Callable[[], list[Node]] | None = None,
         tier: str,
     ) -> None:
         escaped = b"".join(b"\\" + bytes([c]) if c in b"*?[]\\" else bytes([c]) for c in prefix)
@@ -107,12 +119,15 @@ class ServerDrops:
         self._kwargs = kwargs
         self._key_of = key_of
         self._listing = listing
+        self._primaries = primaries
         self._tier = tier
         self._queue: deque[OffloadKey | Listed] = deque()
         self._stop = threading.Event()
+        self._lock = threading.Lock()
         # each node's client, kept while its pubsub lives: a client closed or collected
         # disconnects its pool, the pubsub's connection too
-        self._clients: dict[tuple[str, int], Any] = {}
+        self._clients: dict[Node, Any] = {}
+        self._threads: dict[Node, threading.Thread] = {}
         self.gaps = 0
         """Times a listener lost its node (its drops meanwhile found by a listing)."""
         subscribed = []
@@ -124,17 +139,14 @@ class ServerDrops:
                 pubsub.close()
             self._close_clients()
             raise
-        self._threads = [
-            threading.Thread(
-                target=self._listen,
-                args=(host, port, pubsub),
-                name=f"kvhex-{tier}-drops-{port}",
-                daemon=True,
-            )
-            for host, port, pubsub in subscribed
-        ]
-        for thread in self._threads:
-            thread.start()
+        for host, port, pubsub in subscribed:
+            self._launch(host, port, pubsub)
+
+    @property
+    def nodes(self) -> list[Node]:
+        """The nodes listened to now."""
+        with self._lock:
+            return sorted(self._threads)
 
     def take(self) -> tuple[list[OffloadKey], list[Listed]]:
         """(Scheduler thread.) The keys dropped since the last call, and the listings taken
@@ -153,23 +165,42 @@ class ServerDrops:
     def close(self) -> None:
         """Stop the listeners (each within :data:`WAIT_S`); idempotent."""
         self._stop.set()
-        for thread in self._threads:
+        with self._lock:
+            threads = list(self._threads.values())
+        for thread in threads:
             if thread is not threading.current_thread():
                 thread.join(timeout=2 * WAIT_S + 1)
         self._close_clients()
 
     def _close_clients(self) -> None:
-        while self._clients:
-            _, client = self._clients.popitem()
+        with self._lock:
+            clients = list(self._clients.values())
+            self._clients.clear()
+        for client in clients:
             client.close()
 
     # -- listener threads ----------------------------------------------------------------
+    def _launch(self, host: str, port: int, pubsub: Any) -> None:
+        """A listener thread for ``host:port`` (``pubsub`` ``None``: it subscribes first)."""
+        thread = threading.Thread(
+            target=self._listen,
+            args=(host, port, pubsub),
+            name=f"kvhex-{self._tier}-drops-{port}",
+            daemon=True,
+        )
+        with self._lock:
+            if (host, port) in self._threads or self._stop.is_set():
+                return
+            self._threads[host, port] = thread
+        thread.start()
+
     def _subscribe(self, host: str, port: int) -> Any:
         """A pubsub on ``host:port`` whose subscription is confirmed, notifications on."""
         import valkey
 
         lib: Any = valkey
-        old = self._clients.pop((host, port), None)
+        with self._lock:
+            old = self._clients.pop((host, port), None)
         if old is not None:
             old.close()
         client = lib.Valkey(host=host, port=port, **self._kwargs)
@@ -186,12 +217,15 @@ class ServerDrops:
         except BaseException:
             client.close()
             raise
-        self._clients[host, port] = client
+        with self._lock:
+            self._clients[host, port] = client
         return pubsub
 
     def _listen(self, host: str, port: int, pubsub: Any) -> None:
         stop, queue, key_of, cut = self._stop, self._queue, self._key_of, self._channel
-        while not stop.is_set():
+        if pubsub is None:  # a primary that a failover made: subscribe, then list
+            pubsub = self._resubscribe(host, port)
+        while pubsub is not None and not stop.is_set():
             try:
                 message = pubsub.get_message(timeout=WAIT_S)
             except Exception as exc:
@@ -208,17 +242,26 @@ class ServerDrops:
                 key = key_of(message["channel"][cut:])
                 if key is not None:
                     queue.append(key)
-        pubsub.close()
+        if pubsub is not None:
+            pubsub.close()
+        self._retire(host, port)
 
     def _reconnect(self, host: str, port: int, exc: BaseException | None) -> Any:
-        """Subscribe on the node again (pausing longer after each failure) and queue a
-        listing of the namespace; ``None`` once stopped."""
+        """After a lost connection: :meth:`_resubscribe`, reported and counted."""
         self.gaps += 1
         cause = "reconnected" if exc is None else f"{type(exc).__name__}: {safe_text(exc)}"
         node = f"{host}:{port}"
         log.warning("valkey_notifications_lost", tier=self._tier, node=node, error=cause)
+        return self._resubscribe(host, port)
+
+    def _resubscribe(self, host: str, port: int) -> Any:
+        """Subscribe on the node again (pausing longer after each failure) and queue a
+        listing of the namespace; ``None`` once stopped, or once the cluster says the node
+        is no longer a primary (then every primary nobody listens to gets a listener)."""
         pause = WAIT_S
         while not self._stop.wait(pause):
+            if self._moved(host, port):
+                return None
             try:
                 pubsub = self._subscribe(host, port)
                 listed = frozenset(self._listing())
@@ -229,14 +272,36 @@ class ServerDrops:
             self._queue.append(listed)
             log.info("valkey_notifications_resumed", tier=self._tier, node=f"{host}:{port}")
             return pubsub
-        return _Stopped()
-
-
-class _Stopped:
-    """The pubsub of a listener told to stop while reconnecting."""
-
-    def get_message(self, timeout: float) -> None:
         return None
 
-    def close(self) -> None:
-        return None
+    def _moved(self, host: str, port: int) -> bool:
+        """Whether the cluster says ``host:port`` is no longer a primary; if so, listeners
+        for the primaries nobody listens to are launched."""
+        if self._primaries is None:
+            return False
+        try:
+            now = self._primaries()
+        except Exception as exc:  # no node answers: keep trying this one
+            log.debug("valkey_topology_failed", tier=self._tier, error=safe_text(exc))
+            return False
+        if not now or (host, port) in now:
+            return False
+        with self._lock:
+            new = [node for node in now if node not in self._threads]
+        log.warning(
+            "valkey_notifications_moved",
+            tier=self._tier,
+            node=f"{host}:{port}",
+            primaries=[f"{h}:{p}" for h, p in now],
+        )
+        for new_host, new_port in new:
+            self._launch(new_host, new_port, None)
+        return True
+
+    def _retire(self, host: str, port: int) -> None:
+        with self._lock:
+            if self._threads.get((host, port)) is threading.current_thread():
+                del self._threads[host, port]
+            client = self._clients.pop((host, port), None)
+        if client is not None:
+            client.close()

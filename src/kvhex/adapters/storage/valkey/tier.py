@@ -18,7 +18,7 @@ Who evicts is the ``eviction`` option:
 from __future__ import annotations
 
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal
 
 import structlog
@@ -168,6 +168,7 @@ class ValkeyTierStore(BlockTierStore):
                     io.prefix,
                     io.key_of,
                     io.peer_keys,
+                    primaries=_topology(client, endpoint.nodes, conn.client_kwargs()),
                     tier=name,
                 )
             except TierUnavailable:
@@ -192,6 +193,12 @@ class ValkeyTierStore(BlockTierStore):
         """Times a node's notifications were lost (``eviction = "server"``); after each, a
         listing of the namespace found what the server dropped meanwhile."""
         return 0 if self._drops is None else self._drops.gaps
+
+    @property
+    def notified_by(self) -> list[str]:
+        """``host:port`` of every primary whose keyspace notifications the tier listens to
+        now (``eviction = "server"``; after a failover, the promoted replica's)."""
+        return [] if self._drops is None else [f"{h}:{p}" for h, p in self._drops.nodes]
 
     def poll(self) -> list[JobResult]:
         """As :meth:`BlockTierStore.poll`; with ``eviction = "server"`` also drops (and
@@ -285,3 +292,46 @@ def _primaries(client: Any) -> list[tuple[str, int]]:
         return [(n.host, int(n.port)) for n in client.get_primaries()]
     kwargs = client.connection_pool.connection_kwargs
     return [(str(kwargs["host"]), int(kwargs["port"]))]
+
+
+def _topology(
+    client: Any, seeds: Sequence[tuple[str, int]], kwargs: dict[str, Any]
+) -> Callable[[], list[tuple[str, int]]] | None:
+    """For a cluster client: what asks the cluster for its primaries now (``CLUSTER
+    NODES`` of the first node that answers, among those the client knows and the seeds), so
+    that a failover's new primary is listened to; ``None`` for a standalone server."""
+    if not hasattr(client, "get_primaries"):
+        return None
+
+    def primaries() -> list[tuple[str, int]]:
+        import valkey
+
+        lib: Any = valkey
+        try:
+            known = [(str(n.host), int(n.port)) for n in client.get_nodes()]
+        except Exception:  # the client is rebuilding its table on another thread
+            known = []
+        for host, port in dict.fromkeys([*known, *seeds]):
+            probe = lib.Valkey(host=host, port=port, **kwargs)
+            try:
+                nodes = probe.cluster("nodes")
+            except Exception:
+                continue
+            finally:
+                probe.close()
+            return sorted(_serving_primaries(nodes))
+        raise ConnectionError("no node of the cluster answers CLUSTER NODES")
+
+    return primaries
+
+
+def _serving_primaries(nodes: Mapping[str, Mapping[str, Any]]) -> list[tuple[str, int]]:
+    """The primaries that serve slots and are not marked failed, from valkey-py's parsed
+    ``CLUSTER NODES`` (``"host:port"`` -> its ``flags`` and ``slots``)."""
+    found = []
+    for address, info in nodes.items():
+        flags = str(info.get("flags", "")).split(",")
+        if "master" in flags and "fail" not in flags and info.get("slots"):
+            host, _, port = address.rpartition(":")
+            found.append((host, int(port.partition("@")[0])))
+    return found
