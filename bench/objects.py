@@ -10,7 +10,7 @@ S3's, bounds every side):
   backend), built by vLLM's ``SecondaryTierFactory`` on a real host buffer of up to 256
   rows of one chunk each, driven through its public methods (``submit_store`` / ``submit_load``,
   ``get_finished_jobs``) as vLLM's tiering manager drives it;
-* kvhex's ``fsspec`` tier on ``s3://`` (s3fs puts, its own signed GETs) and kvhex's
+* kvhex's ``fsspec`` tier on ``s3://`` (its own signed PUTs and GETs) and kvhex's
   ``nixl`` tier on ``s3://`` (NIXL's OBJ backend), built through kvhex's plugin registry,
   driven through ``submit_put`` / ``submit_get`` / ``poll``.
 
@@ -455,9 +455,8 @@ def main() -> None:
         report.say(WHERE_VLLM.format(why=missing))
     if "s3" in sides:
         report.say(
-            f"  {NAMES['s3']}: {t} IO threads, a job at a time each; puts: one s3fs batch of "
-            f"{b} requests per job (up to {t * b} in flight); gets: kvhex's own signed GETs "
-            f"(up to {min(t * b, REQUESTS_IN_FLIGHT)} in flight)"
+            f"  {NAMES['s3']}: {t} IO threads, a job at a time each; kvhex's own signed PUTs "
+            f"and GETs (up to {min(t * b, REQUESTS_IN_FLIGHT)} in flight)"
         )
     if "nixl" in sides:
         report.say(
