@@ -141,6 +141,9 @@ class BlockTierStore:
         self.corrupt_blocks = 0
         self.lost_blocks = 0
         self.io_errors = 0
+        self.left_at_start: frozenset[OffloadKey] = frozenset()
+        """Blocks found at start-up beyond the capacity on shared storage, left in place
+        (neither deleted nor announced; gets and probes still find them)."""
         self._pool = IoPool(io_threads, f"kvhex-{self._name}")
         self._closed = False
         self._peers: PeerScan | None = None
@@ -157,8 +160,13 @@ class BlockTierStore:
             inventory = io.inventory()
             self.foreign_files = inventory.foreign
             over = self._index.adopt(inventory.blocks)
-            if over:
-                io.remove_many(over)
+            if not self._exclusive:
+                self.left_at_start = frozenset(over)
+            if over and self._exclusive:
+                io.remove_many(over)  # a dead instance's blocks, now this one's to bound
+            # shared storage (an object store, a Valkey pool): what does not fit is left in
+            # place, as other instances' blocks it may well be (served by gets all the same);
+            # their writers, or the server, bound them
             self._announce_adopted(self._index.take_events())
         except BaseException:  # nothing half-started stays: locks, files, agents released
             self.close()
@@ -168,7 +176,8 @@ class BlockTierStore:
                 "tier_recovered",
                 tier=self._name,
                 blocks=len(self._index),
-                evicted=len(over),
+                evicted=len(over) if self._exclusive else 0,
+                left=0 if self._exclusive else len(over),
                 foreign_files=inventory.foreign,
             )
 

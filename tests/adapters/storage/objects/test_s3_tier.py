@@ -100,6 +100,40 @@ def test_restart_and_a_second_instance_see_the_bucket(s3_server: str, bucket: st
     other.close()
 
 
+def test_an_instance_starting_with_less_room_than_the_bucket_holds_deletes_nothing(
+    s3_server: str, bucket: str
+) -> None:
+    """A shared bucket holds other instances' blocks: one starting with room for fewer
+    adopts what fits and leaves the rest in place (deleting it would take blocks from under
+    the instances that stored and announced them); it still finds and serves those."""
+    import s3fs
+
+    from kvhex.adapters.storage.format import HEADER_AREA
+
+    host = MemoryHostBuffer(4, SLOT)
+    first = tier(host, s3_server, bucket, name="a")
+    fill(host, 3, 7)
+    expected = [bytes(host.slot_view(s)) for s in range(3)]
+    assert run(first, JobKind.PUT, [1, 2, 3]).success
+    small = started(
+        tier(host, s3_server, bucket, name="b", capacity_bytes=2 * (SLOT + HEADER_AREA))
+    )
+    (adopted,) = small.take_events()
+    assert isinstance(adopted, Stored)
+    assert len(adopted.keys) == 2
+    fs = s3fs.S3FileSystem(**s3_options(s3_server))
+    assert len([p for p in fs.find(bucket) if p.endswith(".blk")]) == 3  # none deleted
+    (left,) = [i for i in (1, 2, 3) if key(i) not in adopted.keys]
+    assert run(small, JobKind.PROBE, [1, 2, 3]).found == frozenset({key(1), key(2), key(3)})
+    fill(host, 3, 99)
+    assert run(small, JobKind.GET, [left], [0]).success
+    assert bytes(host.slot_view(0)) == expected[left - 1]
+    assert run(first, JobKind.GET, [1, 2, 3], [1, 2, 3]).success
+    assert [bytes(host.slot_view(s)) for s in (1, 2, 3)] == expected
+    first.close()
+    small.close()
+
+
 def test_the_server_going_away_gives_failed_jobs_not_a_crash(private_s3_server: Any) -> None:
     import s3fs
 

@@ -76,13 +76,24 @@ def _converges(events: Events, store: ValkeyTierStore, ports: Sequence[int]) -> 
     return events.held(store.identity)
 
 
-def _served(store: ValkeyTierStore, keys: list[OffloadKey]) -> None:
+def _served(store: ValkeyTierStore, keys: list[OffloadKey], events: Events) -> None:
+    """Get ``keys``: every block served holds its bytes, and one not served is one the
+    server evicted since (writing ``config.json`` back, which an ``allkeys-lru`` server
+    evicts first as the oldest key, evicts another block): dropped and announced removed.
+    Most are served."""
     host = store._host
+    missed: set[OffloadKey] = set()
     for start in range(0, len(keys), BATCH):
         batch = keys[start : start + BATCH]
-        assert get(store, batch, list(range(len(batch)))).success
+        result = get(store, batch, list(range(len(batch))))
+        ok = set(batch) if result.success else set(result.ok_keys or ())
         for slot, key in enumerate(batch):
-            assert bytes(host.slot_view(slot)) == block_payload(key, SLOT)
+            if key in ok:
+                assert bytes(host.slot_view(slot)) == block_payload(key, SLOT)
+        missed |= set(batch) - ok
+    events.until(lambda: not missed & events.held(store.identity), "the missed ones dropped")
+    assert not missed & set(store.keys())
+    assert len(missed) <= len(keys) // 4, f"{len(missed)} of {len(keys)} blocks not served"
 
 
 def test_a_standalone_server_evicts_and_the_events_follow(lru_server: Server) -> None:
@@ -96,7 +107,7 @@ def test_a_standalone_server_evicts_and_the_events_follow(lru_server: Server) ->
         assert store.server_gaps == 0  # every drop heard, none found by a listing
         assert 0 < len(held) < 480
         assert store.lost_blocks >= 480 - len(held)
-        _served(store, sorted(held))
+        _served(store, sorted(held), events)
 
         lru_server.kill()  # restarted empty: its notifications resume, its losses found
         lru_server.start()
@@ -126,7 +137,7 @@ def test_a_cluster_evicts_on_every_primary_and_the_events_follow(
         held = _converges(events, store, ports)
         assert store.server_gaps == 0
         assert 0 < len(held) < 960
-        _served(store, sorted(held)[:64])
+        _served(store, sorted(held)[:64], events)
     finally:
         store.close()
         for port in ports:

@@ -16,8 +16,11 @@ The server, not this instance, is the truth about what exists: other instances s
 namespace, and a server with a ``maxmemory-policy`` evicts on its own, so ``exclusive`` is
 false and the tier checks what its index lists against the server (a get or probe that
 finds a block gone drops and announces it). A namespace whose ``config.json`` key vanished
-(a ``FLUSHALL``, a node replaced empty) raises
-:class:`~kvhex.adapters.storage.block_io.StoreLost`: the tier announces every block gone.
+with every block (a ``FLUSHALL``, a server replaced empty) raises
+:class:`~kvhex.adapters.storage.block_io.StoreLost`: the tier announces every block gone. One
+whose ``config.json`` alone went (a server evicting it as any key, a node of a cluster
+replaced empty) gets it back, and the tier drops what a listing of the namespace lacks
+(:meth:`ValkeyIo.take_listings`).
 
 Threads: every method runs on the tier's IO threads, several at once; valkey-py's clients
 take a connection from their pool per command or pipeline.
@@ -26,8 +29,11 @@ take a connection from their pool per command or pipeline.
 from __future__ import annotations
 
 import contextlib
+from collections import deque
 from collections.abc import Iterable, Sequence
 from typing import Any
+
+import structlog
 
 from kvhex.adapters.storage.block_io import (
     Inventory,
@@ -48,6 +54,8 @@ from kvhex.adapters.storage.records import header_record
 from kvhex.adapters.storage.valkey._client import safe_text
 from kvhex.domain.keys import OffloadKey
 from kvhex.domain.locator import ChunkRecord
+
+log = structlog.get_logger(__name__)
 
 _GLOB_SPECIAL = frozenset("*?[]\\")
 
@@ -87,6 +95,7 @@ class ValkeyIo:
         self.where = where
         self.config = config
         self._config_key = f"{base}/{CONFIG}".encode()
+        self._listings: deque[frozenset[OffloadKey]] = deque()
         self._prefix = f"{base}/".encode()
         recorded = self._write_config()
         if recorded is not None and recorded != config:
@@ -166,8 +175,7 @@ class ValkeyIo:
         failed = [k for (k, _), e in zip(items, errors, strict=True) if e is not None]
         if failed:
             self._forget(failed)
-            if not self._namespace_intact():
-                raise StoreLost(f"{self.where}/{self.base} is gone: its {CONFIG} vanished")
+            self._check_namespace()
         return errors
 
     def read_many(self, items: Sequence[tuple[OffloadKey, memoryview]]) -> list[Verdict]:
@@ -194,8 +202,8 @@ class ValkeyIo:
             payload = memoryview(value)[HEADER_AREA:]
             view[:] = payload
             verdicts.append(verify(value[:HEADER_AREA], key, payload))
-        if Verdict.MISSING in verdicts and not self._namespace_intact():
-            raise StoreLost(f"{self.where}/{self.base} is gone: its {CONFIG} vanished")
+        if Verdict.MISSING in verdicts:
+            self._check_namespace()
         return verdicts
 
     def exists_many(self, keys: Sequence[OffloadKey]) -> set[OffloadKey]:
@@ -209,8 +217,8 @@ class ValkeyIo:
             return set()
         found = self._run([("exists", self.name(k)) for k in keys])
         there = {k for k, n in zip(keys, found, strict=True) if n}
-        if len(there) < len(keys) and not self._namespace_intact():
-            raise StoreLost(f"{self.where}/{self.base} is gone: its {CONFIG} vanished")
+        if len(there) < len(keys):
+            self._check_namespace()
         return there
 
     def remove_many(self, keys: Sequence[OffloadKey]) -> None:
@@ -279,6 +287,38 @@ class ValkeyIo:
         not be found); where the server does not answer, nothing more can be done now."""
         with contextlib.suppress(ValkeyError):
             self._run([("delete", self.name(k)) for k in keys])
+
+    def _check_namespace(self) -> None:
+        """After a block was found missing or a write failed: is the namespace still
+        there? Its ``config.json`` gone while blocks are still listed is a server that
+        evicted it as any key (an ``allkeys-*`` policy): it is recorded again, and the
+        listing kept for the tier (:meth:`take_listings`), which drops what it lacks. Gone
+        with nothing listed is a lost store (``FLUSHALL``, a server replaced empty).
+
+        Raises:
+            StoreLost: the namespace is gone.
+            ValkeyError: the server failed.
+        """
+        if self._namespace_intact():
+            return
+        try:
+            listed = frozenset(self._listed())
+        except Exception as exc:
+            raise self._error(exc) from exc
+        if not listed:
+            raise StoreLost(f"{self.where}/{self.base} is gone: its {CONFIG} vanished")
+        self._listings.append(listed)
+        log.warning(
+            "valkey_namespace_record_restored", where=self.where, base=self.base, blocks=len(listed)
+        )
+
+    def take_listings(self) -> list[frozenset[OffloadKey]]:
+        """(Scheduler thread.) The listings taken since the last call where the namespace's
+        ``config.json`` had gone but blocks had not: the tier drops what each lacks."""
+        taken = []
+        while self._listings:
+            taken.append(self._listings.popleft())
+        return taken
 
     def _namespace_intact(self) -> bool:
         """Whether ``config.json`` is still there; a namespace found emptied gets it back,

@@ -177,6 +177,7 @@ class ValkeyTierStore(BlockTierStore):
             except Exception as exc:
                 client.close()
                 raise start_up_error(exc, endpoint, tier=name) from exc
+        self._valkey = io
         super().__init__(
             host,
             io,
@@ -201,11 +202,16 @@ class ValkeyTierStore(BlockTierStore):
         return [] if self._drops is None else [f"{h}:{p}" for h, p in self._drops.nodes]
 
     def poll(self) -> list[JobResult]:
-        """As :meth:`BlockTierStore.poll`; with ``eviction = "server"`` also drops (and
-        announces removed) the blocks the server evicted or expired since the last poll."""
+        """As :meth:`BlockTierStore.poll`; also drops (and announces removed) the blocks
+        the server evicted or expired since the last poll (``eviction = "server"``), and
+        those a listing taken after the namespace's ``config.json`` went lacks."""
         results = super().poll()
-        if self._drops is not None and not self._closed:
-            self._apply_drops(*self._drops.take())
+        if self._closed:
+            return results
+        keys, listings = ([], []) if self._drops is None else self._drops.take()
+        listings += self._valkey.take_listings()
+        if keys or listings or self._evicted_pending:
+            self._apply_drops(keys, listings)
         return results
 
     def close(self) -> None:
