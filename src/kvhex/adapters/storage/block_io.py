@@ -17,7 +17,8 @@ Records: a put whose job has a request hands ``write_many`` (and the movers) eac
 record, encoded (:mod:`kvhex.adapters.storage.records`), to keep in its header area. Two
 optional capabilities read them back: :class:`RecordReading` (what a restart announces) and
 :class:`PeerListing` (what other instances hold, for a tier's peer view,
-:mod:`kvhex.adapters.storage.peers`).
+:mod:`kvhex.adapters.storage.peers`). A third, :class:`Relisting`, survives a namespace
+record that vanished while its blocks did not.
 
 Also here: the few IO helpers every backend shares (:func:`write_fully`, :func:`oserror`,
 :func:`safe_error`).
@@ -27,10 +28,13 @@ from __future__ import annotations
 
 import errno
 import os
-from collections.abc import Mapping, Sequence
+from collections import deque
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import NamedTuple, Protocol, runtime_checkable
 
-from kvhex.adapters.storage.format import Verdict
+import structlog
+
+from kvhex.adapters.storage.format import CONFIG, Verdict
 from kvhex.domain.keys import OffloadKey
 from kvhex.domain.locator import ChunkRecord
 
@@ -39,6 +43,8 @@ Located = tuple[str, int]
 
 Records = Mapping[OffloadKey, bytes]
 """Encoded records of some of a job's keys, to keep in their blocks' header areas."""
+
+log = structlog.get_logger(__name__)
 
 
 class Inventory(NamedTuple):
@@ -179,6 +185,62 @@ class PeerListing(Protocol):
             Exception: the storage failed.
         """
         ...
+
+
+@runtime_checkable
+class Relisting(Protocol):
+    """Optional: a :class:`BlockIo` on shared storage whose namespace record
+    (``config.json``) can vanish while blocks remain (a server evicting it as any key, a
+    lifecycle rule expiring it): it records it again and lists the namespace
+    (:class:`NamespaceRecord`), and the tier drops what each listing lacks."""
+
+    def take_listings(self) -> list[frozenset[OffloadKey]]:
+        """(Scheduler thread.) The listings taken since the last call."""
+        ...
+
+
+class NamespaceRecord:
+    """The check a :class:`Relisting` storage runs after a block was found missing or a
+    write failed: is the namespace still there? Its record gone while blocks are still
+    listed: it is written again (by ``intact``) and the listing queued for
+    :meth:`take_listings`. Gone with nothing listed: the store is lost (an emptied
+    namespace, a deleted bucket, a server replaced empty).
+
+    Args:
+        intact: whether the record is there, writing it again if not.
+        listing: the namespace's block keys now.
+        where: the namespace, named in the log and in :class:`StoreLost`.
+    """
+
+    def __init__(
+        self, intact: Callable[[], bool], listing: Callable[[], Iterable[OffloadKey]], where: str
+    ) -> None:
+        self._intact = intact
+        self._listing = listing
+        self._where = where
+        self._listings: deque[frozenset[OffloadKey]] = deque()
+
+    def check(self) -> None:
+        """(IO threads.)
+
+        Raises:
+            StoreLost: the namespace is gone.
+            Exception: what ``intact`` or ``listing`` raised (the storage failed).
+        """
+        if self._intact():
+            return
+        listed = frozenset(self._listing())
+        if not listed:
+            raise StoreLost(f"{self._where} is gone: its {CONFIG} vanished")
+        self._listings.append(listed)
+        log.warning("tier_namespace_record_restored", where=self._where, blocks=len(listed))
+
+    def take_listings(self) -> list[frozenset[OffloadKey]]:
+        """(Scheduler thread.) See :meth:`Relisting.take_listings`."""
+        taken = []
+        while self._listings:
+            taken.append(self._listings.popleft())
+        return taken
 
 
 class SlotMover(Protocol):

@@ -45,6 +45,7 @@ from kvhex.adapters.storage.block_io import (
     Locating,
     PeerListing,
     RecordReading,
+    Relisting,
     StoreLost,
     safe_error,
 )
@@ -286,6 +287,9 @@ class BlockTierStore:
                 results.append(self._apply_probe(entry, task))
         if peers is not None and not self._closed:
             peers.tick(time.monotonic())
+        if isinstance(self._io, Relisting) and not self._closed:
+            for listed in self._io.take_listings():  # the namespace record had gone alone
+                self.drop_lost([k for k in self.keys() if k not in listed])
         return results
 
     def delete(self, keys: Sequence[OffloadKey]) -> None:

@@ -239,6 +239,32 @@ def test_an_emptied_namespace_is_announced_as_every_block_gone(s3_server: str, b
     again.close()
 
 
+def test_a_namespace_record_expired_alone_costs_only_the_blocks_gone(
+    s3_server: str, bucket: str
+) -> None:
+    """A lifecycle rule that expired ``config.json`` (and one block) while the other blocks
+    stay: the tier records it again and drops exactly what a listing lacks, announced
+    removed; the others stay announced and are served."""
+    host = MemoryHostBuffer(4, SLOT)
+    store = tier(host, s3_server, bucket)
+    fill(host, 3, 1)
+    expected = [bytes(host.slot_view(s)) for s in range(3)]
+    assert run(store, JobKind.PUT, [1, 2, 3]).success
+    store.take_events()
+    fs = _objects(s3_server)
+    fs.rm([f"{store.root}/config.json", store._io.path(key(2))])  # type: ignore[attr-defined]
+    got = run(store, JobKind.GET, [1, 2, 3])
+    assert not got.success
+    assert got.ok_keys == frozenset({key(1), key(3)})
+    store.poll()
+    assert events_of(store) == [("removed", {2})]
+    assert fs.exists(f"{store.root}/config.json")
+    fill(host, 3, 99)
+    assert run(store, JobKind.GET, [1, 3], [0, 2]).success
+    assert [bytes(host.slot_view(s)) for s in (0, 2)] == [expected[0], expected[2]]
+    store.close()
+
+
 def test_a_deleted_bucket_is_announced_as_every_block_gone(private_s3_server: Any) -> None:
     """On moto, as on AWS S3: a PUT into a deleted bucket is refused (NoSuchBucket).
     SeaweedFS, whose buckets are filer directories, makes the bucket again on the next PUT

@@ -17,9 +17,12 @@ header area: :meth:`ObjectIo.read_records`), and, for a tier's peer view, whenev
 
 The store, not this instance, is the truth about what exists (anyone with access may delete
 objects, a server may lose them): the tier checks what its index lists against it on probes
-and puts (``exclusive`` is false). A namespace whose ``config.json`` vanished was
-emptied, and a bucket that no longer exists holds nothing: both raise
+and puts (``exclusive`` is false). A namespace whose ``config.json`` vanished with every
+block was emptied, and a bucket that no longer exists holds nothing: both raise
 :class:`~kvhex.adapters.storage.block_io.StoreLost`, and the tier announces every block gone.
+One whose ``config.json`` alone went (a lifecycle rule expired it) gets it back, and the tier
+drops what a listing of the namespace lacks
+(:class:`~kvhex.adapters.storage.block_io.NamespaceRecord`).
 
 Errors: start-up raises what the store raised, for the tier to name
 (:func:`~kvhex.adapters.storage.namespace.open_namespace`); at run time a failed call is a
@@ -36,9 +39,9 @@ from kvhex.adapters.storage.block_io import (
     Inventory,
     Located,
     NamespaceConflict,
+    NamespaceRecord,
     ObjectMover,
     Records,
-    StoreLost,
 )
 from kvhex.adapters.storage.format import CONFIG, HEADER_AREA, Verdict, holds_key, verify
 from kvhex.adapters.storage.objects._errors import store_error
@@ -89,6 +92,7 @@ class ObjectIo:
         """The namespace as a URL (``s3://bucket/prefix/digest``), named in job errors."""
         self.config = config
         self.mover: ObjectMover = mover or FsspecObjectMover(fs, self.url)
+        self._record = NamespaceRecord(self._namespace_intact, self.peer_keys, self.url)
         self._check_bucket()
         recorded = self._write_config()
         if recorded is not None and recorded != config:
@@ -174,8 +178,8 @@ class ObjectIo:
         if not items:
             return []
         errors = self.mover.put_objects([(self.path(k), k, v) for k, v in items], records)
-        if any(e is not None for e in errors) and not self._namespace_intact():
-            raise StoreLost(f"{self.url} is gone: its {CONFIG} vanished")
+        if any(e is not None for e in errors):
+            self._record.check()
         return errors
 
     def read_many(self, items: Sequence[tuple[OffloadKey, memoryview]]) -> list[Verdict]:
@@ -184,8 +188,8 @@ class ObjectIo:
             return []
         headers = self.mover.get_objects([(self.path(k), v) for k, v in items])
         verdicts = [verify(h, k, v) for h, (k, v) in zip(headers, items, strict=True)]
-        if Verdict.MISSING in verdicts and not self._namespace_intact():
-            raise StoreLost(f"{self.url} is gone: its {CONFIG} vanished")
+        if Verdict.MISSING in verdicts:
+            self._record.check()
         return verdicts
 
     def exists_many(self, keys: Sequence[OffloadKey]) -> set[OffloadKey]:
@@ -200,8 +204,8 @@ class ObjectIo:
             found = exists_paths(self.fs, list(by_path))
         except Exception as exc:
             raise store_error(exc, self.url) from exc
-        if len(found) < len(by_path) and not self._namespace_intact():
-            raise StoreLost(f"{self.url} is gone: its {CONFIG} vanished")
+        if len(found) < len(by_path):
+            self._record.check()
         return {by_path[p] for p in found}
 
     def read_records(self, keys: Sequence[OffloadKey]) -> dict[OffloadKey, ChunkRecord | None]:
@@ -241,6 +245,11 @@ class ObjectIo:
             return {key for path, _ in self._walk() if (key := self._key_of(path)) is not None}
         except Exception as exc:
             raise store_error(exc, self.url) from exc
+
+    def take_listings(self) -> list[frozenset[OffloadKey]]:
+        """(Scheduler thread.) Listings taken after ``config.json`` alone had gone (a
+        lifecycle rule expired it): :class:`~kvhex.adapters.storage.block_io.Relisting`."""
+        return self._record.take_listings()
 
     def remove_many(self, keys: Sequence[OffloadKey]) -> None:
         """Delete the blocks of ``keys`` in one batch (one bulk request on S3)."""

@@ -20,7 +20,7 @@ with every block (a ``FLUSHALL``, a server replaced empty) raises
 :class:`~kvhex.adapters.storage.block_io.StoreLost`: the tier announces every block gone. One
 whose ``config.json`` alone went (a server evicting it as any key, a node of a cluster
 replaced empty) gets it back, and the tier drops what a listing of the namespace lacks
-(:meth:`ValkeyIo.take_listings`).
+(:class:`~kvhex.adapters.storage.block_io.NamespaceRecord`).
 
 Threads: every method runs on the tier's IO threads, several at once; valkey-py's clients
 take a connection from their pool per command or pipeline.
@@ -29,18 +29,15 @@ take a connection from their pool per command or pipeline.
 from __future__ import annotations
 
 import contextlib
-from collections import deque
 from collections.abc import Iterable, Sequence
 from typing import Any
-
-import structlog
 
 from kvhex.adapters.storage.block_io import (
     Inventory,
     Located,
     NamespaceConflict,
+    NamespaceRecord,
     Records,
-    StoreLost,
 )
 from kvhex.adapters.storage.format import (
     CONFIG,
@@ -54,8 +51,6 @@ from kvhex.adapters.storage.records import header_record
 from kvhex.adapters.storage.valkey._client import safe_text
 from kvhex.domain.keys import OffloadKey
 from kvhex.domain.locator import ChunkRecord
-
-log = structlog.get_logger(__name__)
 
 _GLOB_SPECIAL = frozenset("*?[]\\")
 
@@ -95,7 +90,9 @@ class ValkeyIo:
         self.where = where
         self.config = config
         self._config_key = f"{base}/{CONFIG}".encode()
-        self._listings: deque[frozenset[OffloadKey]] = deque()
+        self._record = NamespaceRecord(
+            self._namespace_intact, self._listed_checked, f"{where}/{base}"
+        )
         self._prefix = f"{base}/".encode()
         recorded = self._write_config()
         if recorded is not None and recorded != config:
@@ -175,7 +172,7 @@ class ValkeyIo:
         failed = [k for (k, _), e in zip(items, errors, strict=True) if e is not None]
         if failed:
             self._forget(failed)
-            self._check_namespace()
+            self._record.check()
         return errors
 
     def read_many(self, items: Sequence[tuple[OffloadKey, memoryview]]) -> list[Verdict]:
@@ -203,7 +200,7 @@ class ValkeyIo:
             view[:] = payload
             verdicts.append(verify(value[:HEADER_AREA], key, payload))
         if Verdict.MISSING in verdicts:
-            self._check_namespace()
+            self._record.check()
         return verdicts
 
     def exists_many(self, keys: Sequence[OffloadKey]) -> set[OffloadKey]:
@@ -218,7 +215,7 @@ class ValkeyIo:
         found = self._run([("exists", self.name(k)) for k in keys])
         there = {k for k, n in zip(keys, found, strict=True) if n}
         if len(there) < len(keys):
-            self._check_namespace()
+            self._record.check()
         return there
 
     def remove_many(self, keys: Sequence[OffloadKey]) -> None:
@@ -288,37 +285,16 @@ class ValkeyIo:
         with contextlib.suppress(ValkeyError):
             self._run([("delete", self.name(k)) for k in keys])
 
-    def _check_namespace(self) -> None:
-        """After a block was found missing or a write failed: is the namespace still
-        there? Its ``config.json`` gone while blocks are still listed is a server that
-        evicted it as any key (an ``allkeys-*`` policy): it is recorded again, and the
-        listing kept for the tier (:meth:`take_listings`), which drops what it lacks. Gone
-        with nothing listed is a lost store (``FLUSHALL``, a server replaced empty).
+    def take_listings(self) -> list[frozenset[OffloadKey]]:
+        """(Scheduler thread.) Listings taken after ``config.json`` alone had gone
+        (:class:`~kvhex.adapters.storage.block_io.Relisting`)."""
+        return self._record.take_listings()
 
-        Raises:
-            StoreLost: the namespace is gone.
-            ValkeyError: the server failed.
-        """
-        if self._namespace_intact():
-            return
+    def _listed_checked(self) -> list[OffloadKey]:
         try:
-            listed = frozenset(self._listed())
+            return self._listed()
         except Exception as exc:
             raise self._error(exc) from exc
-        if not listed:
-            raise StoreLost(f"{self.where}/{self.base} is gone: its {CONFIG} vanished")
-        self._listings.append(listed)
-        log.warning(
-            "valkey_namespace_record_restored", where=self.where, base=self.base, blocks=len(listed)
-        )
-
-    def take_listings(self) -> list[frozenset[OffloadKey]]:
-        """(Scheduler thread.) The listings taken since the last call where the namespace's
-        ``config.json`` had gone but blocks had not: the tier drops what each lacks."""
-        taken = []
-        while self._listings:
-            taken.append(self._listings.popleft())
-        return taken
 
     def _namespace_intact(self) -> bool:
         """Whether ``config.json`` is still there; a namespace found emptied gets it back,

@@ -177,7 +177,6 @@ class ValkeyTierStore(BlockTierStore):
             except Exception as exc:
                 client.close()
                 raise start_up_error(exc, endpoint, tier=name) from exc
-        self._valkey = io
         super().__init__(
             host,
             io,
@@ -202,16 +201,13 @@ class ValkeyTierStore(BlockTierStore):
         return [] if self._drops is None else [f"{h}:{p}" for h, p in self._drops.nodes]
 
     def poll(self) -> list[JobResult]:
-        """As :meth:`BlockTierStore.poll`; also drops (and announces removed) the blocks
-        the server evicted or expired since the last poll (``eviction = "server"``), and
-        those a listing taken after the namespace's ``config.json`` went lacks."""
+        """As :meth:`BlockTierStore.poll`; with ``eviction = "server"`` also drops (and
+        announces removed) the blocks the server evicted or expired since the last poll."""
         results = super().poll()
         if self._closed:
             return results
-        keys, listings = ([], []) if self._drops is None else self._drops.take()
-        listings += self._valkey.take_listings()
-        if keys or listings or self._evicted_pending:
-            self._apply_drops(keys, listings)
+        if self._drops is not None:
+            self._apply_drops(*self._drops.take())
         return results
 
     def close(self) -> None:
@@ -230,7 +226,8 @@ class ValkeyTierStore(BlockTierStore):
         held = self.keys() if listings else []
         for listed in listings:
             gone += [k for k in held if k not in listed]
-        self._evicted_pending = self.drop_lost(gone) if gone else set()
+        if gone:
+            self._evicted_pending = self.drop_lost(gone)
 
 
 def _password(password: str | None, password_file: str | None, *, tier: str) -> str | None:
