@@ -8,17 +8,25 @@ chunk size (``--chunk-kib``: 2 MiB and 256 KiB by default), ``--total-mib`` (128
 go host -> Valkey (put) and Valkey -> host (get):
 
 * kvhex: ``ValkeyTierStore`` through the TierStore port, ``--batch`` blocks per job
-  (``submit_put`` / ``submit_get``, then ``poll`` every 0.5 ms until every job is done) on
+  (``submit_put`` / ``submit_get`` of every job, then ``drain``, which blocks until they are
+  done as the raw side blocks on its futures, and one ``poll`` for their results) on
   ``--io-threads`` IO threads (the tier's default, 8), host slots from ``MemoryHostBuffer``;
   each block travels in kvhex's block format (a 4 KiB header area, the payload's XXH3
   checksum written on put and checked on get);
-* raw: valkey-py's own client (``ValkeyCluster`` / ``Valkey``) doing the same non-transactional
-  pipelined ``SET`` / ``GET`` of the same payloads in batches of ``--batch`` keys, as many
-  batches in flight as the tier has IO threads (a thread pool of that size, each thread a
-  share of the batches, each taking a connection from the client's pool), ``GET``'s bytes
-  copied into the same host slots.
+* raw: valkey-py's own client (``ValkeyCluster`` / ``Valkey``, its defaults) doing the same
+  non-transactional pipelined ``SET`` / ``GET`` of the same payloads in batches of
+  ``--batch`` keys, as many batches in flight as the tier has IO threads (a thread pool of
+  that size, each thread a share of the batches, each taking a connection from the client's
+  pool), ``GET``'s bytes copied into the same host slots.
+
+``--client glide`` measures the other client the tier could be built on instead of kvhex:
+valkey-glide's sync client (``valkey-glide-sync``, its Rust core; not a kvhex dependency,
+install it to measure) doing the same non-atomic ``Batch`` / ``ClusterBatch`` of ``SET`` /
+``GET`` on the same threads, one client shared by them (glide multiplexes one connection per
+node), against the same raw valkey-py baseline.
 
     python bench/valkey_tier.py [--server both] [--total-mib 128] [--batch 8] [--repeats 9]
+    python bench/valkey_tier.py --client glide   # raw valkey-glide vs raw valkey-py
     python bench/valkey_tier.py --quick --json   # tiny sizes; rows as JSON (see _report.py)
 
 Every pass writes new keys on both sides (a new round of keys; last round's are deleted,
@@ -27,7 +35,7 @@ slots that are then compared with the slots the put read from: a pass that read 
 bytes than it wrote stops the bench. A plain script, never a timed test: one untimed round
 warms both sides up (connections, the cluster's slot map, the servers' allocators); then raw
 and kvhex passes alternate, each figure is the median of ``--repeats`` passes, and the ratio
-kvhex/raw is the median of the per-pass ratios with its 95% interval
+kvhex/raw (glide/raw) is the median of the per-pass ratios with its 95% interval
 (``_report.median_interval``). The issue's target is a ratio of at least 0.9 each way.
 """
 
@@ -36,6 +44,7 @@ from __future__ import annotations
 import argparse
 import concurrent.futures as cf
 import hashlib
+import importlib.metadata
 import os
 import shutil
 import sys
@@ -50,7 +59,7 @@ from valkey import cluster as valkey_cluster
 
 from _report import Report, add_chunk_sizes, add_repeats, parse, summarize
 from kvhex.adapters.memory import MemoryHostBuffer
-from kvhex.adapters.storage.valkey.tier import ValkeyTierStore
+from kvhex.adapters.storage.valkey.tier import DEFAULT_IO_THREADS, ValkeyTierStore
 from kvhex.cli.bench import interval_text
 from kvhex.domain import JobId, JobKind, TierJob, make_offload_key
 
@@ -72,6 +81,7 @@ BASELINE = {
     "cluster": "raw valkey-py cluster pipeline SET/GET",
     "standalone": "raw valkey-py pipeline SET/GET",
 }
+SUBJECT = {"kvhex": "kvhex ValkeyTierStore", "glide": "raw valkey-glide sync batch SET/GET"}
 
 
 def start_servers(kind: str, root: Path) -> list[Server]:
@@ -120,6 +130,8 @@ class TierSide:
     keys are new (made before any pass is timed: hashing them is the caller's work, as
     vLLM's block hashes are); the previous round's leave, untimed, through ``delete``."""
 
+    tag = "kvhex"
+
     def __init__(self, store: ValkeyTierStore, blocks: Blocks, batch: int, rounds: int) -> None:
         self.store, self.blocks, self.batch = store, blocks, batch
         n = blocks.n
@@ -141,15 +153,14 @@ class TierSide:
             submit(TierJob(JobId(self.next_id), kind, tuple(keys[i] for i in ids), slots))
             self.next_id += 1
             jobs += 1
-        done = 0
-        while done < jobs:
-            results = self.store.poll()
-            for result in results:
-                if not result.success:
-                    raise SystemExit(f"kvhex {kind.name.lower()} job failed: {result.error}")
-            done += len(results)
-            if done < jobs and not results:
-                time.sleep(0.0005)
+        # wait as the raw side waits for its futures: blocked, not polling (a loop polling
+        # every 0.5 ms took CPU from the IO threads and the servers on a 2-core machine)
+        self.store.drain()
+        results = self.store.poll()
+        failed = [r for r in results if not r.success]
+        if failed or len(results) != jobs:
+            error = failed[0].error if failed else f"{len(results)} of {jobs} jobs polled"
+            raise SystemExit(f"kvhex {kind.name.lower()} job failed: {error}")
 
     def put(self) -> None:
         self.round += 1
@@ -165,10 +176,15 @@ class TierSide:
         self.store.poll()
         self.store.take_events()
 
+    def close(self) -> None:
+        self.store.close()
+
 
 class RawSide:
     """valkey-py alone: the same payloads, ``batch`` keys per non-transactional pipeline,
     ``threads`` pipelines in flight."""
+
+    tag = "raw"
 
     def __init__(self, client: Any, blocks: Blocks, batch: int, threads: int) -> None:
         self.client, self.blocks, self.batch = client, blocks, batch
@@ -177,7 +193,7 @@ class RawSide:
         self.round = -1
 
     def _name(self, i: int) -> str:
-        return f"raw/{self.round}/{i}"
+        return f"{self.tag}/{self.round}/{i}"
 
     def _ids(self, start: int) -> range:
         return range(start, min(start + self.batch, self.blocks.n))
@@ -212,57 +228,110 @@ class RawSide:
 
     def close(self) -> None:
         self.pool.shutdown()
+        self.client.close()
+
+
+class GlideSide(RawSide):
+    """valkey-glide's sync client alone, as :class:`RawSide`: one non-atomic batch
+    (``Batch`` / ``ClusterBatch``) per ``batch`` keys, ``threads`` batches in flight on one
+    client."""
+
+    tag = "glide"
+
+    def __init__(
+        self, ports: Sequence[int], cluster: bool, blocks: Blocks, batch: int, threads: int
+    ) -> None:
+        import glide_sync
+
+        nodes = [glide_sync.NodeAddress("127.0.0.1", p) for p in ports]
+        if cluster:
+            config: Any = glide_sync.GlideClusterClientConfiguration(nodes, request_timeout=10_000)
+            client: Any = glide_sync.GlideClusterClient.create(config)
+            self.new_batch: Any = glide_sync.ClusterBatch
+        else:
+            config = glide_sync.GlideClientConfiguration(nodes, request_timeout=10_000)
+            client = glide_sync.GlideClient.create(config)
+            self.new_batch = glide_sync.Batch
+        super().__init__(client, blocks, batch, threads)
+
+    def _put(self, start: int) -> None:
+        batch = self.new_batch(is_atomic=False)
+        for i in self._ids(start):
+            batch.set(self._name(i), self.blocks.source(i))
+        self.client.exec(batch, raise_on_error=True)
+
+    def _get(self, start: int) -> None:
+        batch = self.new_batch(is_atomic=False)
+        ids = self._ids(start)
+        for i in ids:
+            batch.get(self._name(i))
+        for i, value in zip(ids, self.client.exec(batch, raise_on_error=True), strict=True):
+            self.blocks.dest(i)[:] = value
+
+    def forget(self) -> None:
+        """Untimed: delete this round's keys (one key per command: cluster-safe)."""
+        batch = self.new_batch(is_atomic=False)
+        for i in range(self.blocks.n):
+            batch.delete([self._name(i)])
+        self.client.exec(batch, raise_on_error=True)
 
 
 def measure(
     kind: str, ports: Sequence[int], chunk: int, args: argparse.Namespace
 ) -> dict[str, float]:
-    """Median GB/s of raw and kvhex each way on one server, and the median per-pass ratios."""
+    """Median GB/s of raw valkey-py and the subject (kvhex's tier, or raw glide) each way on
+    one server, and the median per-pass ratios subject/raw."""
     n = args.total_mib * MiB // chunk
     blocks = Blocks(n, chunk)
-    url = "valkey://" + ",".join(f"127.0.0.1:{p}" for p in ports) + f"/bench-{chunk}"
-    store = ValkeyTierStore(
-        blocks.host,
-        url,
-        capacity_bytes=2 * n * (chunk + HEADER_AREA),
-        cluster=kind == "cluster",
-        io_threads=args.io_threads,
-    )
+    threads = args.io_threads or DEFAULT_IO_THREADS
     if kind == "cluster":
         client = valkey_cluster.ValkeyCluster(
             startup_nodes=[valkey_cluster.ClusterNode("127.0.0.1", p) for p in ports]
         )
     else:
         client = valkey.Valkey(host="127.0.0.1", port=ports[0])
-    tier = TierSide(store, blocks, args.batch, args.repeats + 1)
-    raw = RawSide(client, blocks, args.batch, store.io_threads)
+    raw = RawSide(client, blocks, args.batch, threads)
+    subject: TierSide | GlideSide
+    if args.client == "glide":
+        subject = GlideSide(ports, kind == "cluster", blocks, args.batch, threads)
+    else:
+        url = "valkey://" + ",".join(f"127.0.0.1:{p}" for p in ports) + f"/bench-{chunk}"
+        store = ValkeyTierStore(
+            blocks.host,
+            url,
+            capacity_bytes=2 * n * (chunk + HEADER_AREA),
+            cluster=kind == "cluster",
+            io_threads=threads,
+        )
+        subject = TierSide(store, blocks, args.batch, args.repeats + 1)
     nbytes = n * chunk
     rates: dict[str, list[float]] = {}
     try:
         for repeat in range(args.repeats + 1):  # the first round untimed: warm-up
             got: dict[str, float] = {}
+            # each side goes first every other pass: neither always follows the other
+            sides = (("raw", raw), ("subject", subject))
             for direction in ("put", "get"):
-                for name, side in (("raw", raw), ("tier", tier)):
+                for name, side in sides if repeat % 2 else sides[::-1]:
                     if direction == "get":
                         blocks.clear()
                     t0 = time.perf_counter()
                     getattr(side, direction)()
                     got[f"{name} {direction}"] = nbytes / (time.perf_counter() - t0) / 1e9
                     if direction == "get":
-                        blocks.check("kvhex" if name == "tier" else "raw")
+                        blocks.check(side.tag)
             raw.forget()
-            tier.forget()
+            subject.forget()
             if repeat == 0:
                 continue
             for key, value in got.items():
                 rates.setdefault(key, []).append(value)
             for direction in ("put", "get"):
-                ratio = got[f"tier {direction}"] / got[f"raw {direction}"]
+                ratio = got[f"subject {direction}"] / got[f"raw {direction}"]
                 rates.setdefault(f"ratio {direction}", []).append(ratio)
     finally:
-        store.close()
+        subject.close()
         raw.close()
-        client.close()
     return summarize(rates)
 
 
@@ -286,16 +355,29 @@ def main() -> None:
         default=None,
         help="the tier's IO threads (default: its own, 8); raw keeps as many pipelines in flight",
     )
+    parser.add_argument(
+        "--client",
+        choices=tuple(SUBJECT),
+        default="kvhex",
+        help="what is measured against raw valkey-py: kvhex's tier (default), or raw "
+        "valkey-glide (pip install valkey-glide-sync)",
+    )
     add_chunk_sizes(parser)
     add_repeats(parser)
     args = parse(parser, QUICK)
     if max(args.chunk_kib) > args.total_mib * MiB:
         parser.error(f"--chunk-kib: a chunk larger than the {args.total_mib} MiB a pass moves")
+    versions = f"valkey-py {valkey.__version__}"
+    if args.client == "glide":
+        try:
+            versions += f", valkey-glide-sync {importlib.metadata.version('valkey-glide-sync')}"
+        except importlib.metadata.PackageNotFoundError:
+            parser.error("--client glide: install valkey-glide-sync to measure it")
     kinds = SERVERS if args.server == "both" else (args.server,)
     report = Report("valkey", args)
     report.say(
-        f"{args.total_mib} MiB per pass each way, {args.batch} blocks per job/pipeline, "
-        f"{args.repeats} passes; valkey-py {valkey.__version__}"
+        f"{SUBJECT[args.client]} against raw valkey-py; {args.total_mib} MiB per pass each "
+        f"way, {args.batch} blocks per job/pipeline, {args.repeats} passes; {versions}"
     )
     head = f"{'server':<12}{'chunk':>9}{'put GB/s':>10}{'raw':>8}{'ratio':>7}{'95% CI':>12}"
     report.say(head + f"{'get GB/s':>10}{'raw':>8}{'ratio':>7}{'95% CI':>12}")
@@ -306,7 +388,7 @@ def main() -> None:
             try:
                 for chunk in args.chunk_kib:
                     r = measure(kind, [s.port for s in servers], chunk, args)
-                    _emit(report, kind, f"{chunk // 1024} KiB", r)
+                    _emit(report, args.client, kind, f"{chunk // 1024} KiB", r)
             finally:
                 for server in servers:
                     server.kill()
@@ -316,17 +398,18 @@ def main() -> None:
     report.finish()
 
 
-def _emit(report: Report, kind: str, label: str, r: dict[str, float]) -> None:
+def _emit(report: Report, client: str, kind: str, label: str, r: dict[str, float]) -> None:
     report.say(
-        f"{kind:<12}{label:>9}{r['tier put']:>10.2f}{r['raw put']:>8.2f}{r['ratio put']:>7.2f}"
-        f"{interval_text(r['ratio put low'], r['ratio put high']):>12}"
-        f"{r['tier get']:>10.2f}{r['raw get']:>8.2f}{r['ratio get']:>7.2f}"
+        f"{kind:<12}{label:>9}{r['subject put']:>10.2f}{r['raw put']:>8.2f}"
+        f"{r['ratio put']:>7.2f}{interval_text(r['ratio put low'], r['ratio put high']):>12}"
+        f"{r['subject get']:>10.2f}{r['raw get']:>8.2f}{r['ratio get']:>7.2f}"
         f"{interval_text(r['ratio get low'], r['ratio get high']):>12}"
     )
+    case = "valkey" if client == "kvhex" else client
     for direction in ("put", "get"):
         report.row(
-            f"valkey {kind} {label} {direction}",
-            r[f"tier {direction}"],
+            f"{case} {kind} {label} {direction}",
+            r[f"subject {direction}"],
             r[f"raw {direction}"],
             unit="GB/s",
             baseline_name=BASELINE[kind],

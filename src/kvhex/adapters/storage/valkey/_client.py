@@ -6,11 +6,25 @@ without credentials).
 URL: ``valkey://HOST:PORT[,HOST:PORT...]/PREFIX`` (``valkeys://`` for TLS). The hosts are
 seed nodes: a cluster is found from any of them. Credentials are never part of the URL (it is
 named in errors): they are the ``username`` and ``password`` options.
+
+Blocks cross the wire without valkey-py's copies (:func:`tune`, run on every connection the
+tier's clients open, after the handshake): a block's ``SET`` value (:class:`Parts`) goes out
+as its header area, made as it is sent, then the host slot itself; and a large bulk reply (a
+block's ``GET``) is received straight into one ``bytearray`` of its size, where valkey-py's
+reader copies it three or four times on its way through a ``BytesIO``. On Linux over plain
+TCP the command timeout is kept by the kernel (``SO_RCVTIMEO``/``SO_SNDTIMEO`` on a blocking
+socket) rather than by Python, which polls before every ``send`` and ``recv`` of a socket
+with a timeout; a timeout is still valkey-py's ``TimeoutError``. bench/valkey_tier.py
+measures all of it against the raw client; docs/tiers.md has the figures.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import functools
+import socket
+import struct
+import sys
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import attrs
@@ -124,7 +138,9 @@ def connect(endpoint: Endpoint, conn: Connection, cluster: bool | None, *, tier:
     probe = None
     failure: BaseException | None = None
     for host, port in endpoint.nodes:
-        client = lib.Valkey(host=host, port=port, **kwargs)
+        client = lib.Valkey(
+            host=host, port=port, valkey_connect_func=_handshake_then_tune, **kwargs
+        )
         try:
             enabled = bool(client.info("cluster").get("cluster_enabled"))
         except Exception as exc:
@@ -162,7 +178,8 @@ def connect(endpoint: Endpoint, conn: Connection, cluster: bool | None, *, tier:
         )
     try:
         nodes = [nodes_lib.ClusterNode(h, p) for h, p in endpoint.nodes]
-        client = nodes_lib.ValkeyCluster(startup_nodes=nodes, **kwargs)
+        # the cluster client runs the handshake itself, then this hook
+        client = nodes_lib.ValkeyCluster(startup_nodes=nodes, valkey_connect_func=tune, **kwargs)
         state = client.cluster_info().get("cluster_state")
     except Exception as exc:
         client.close()
@@ -233,3 +250,215 @@ def safe_text(exc: BaseException) -> str:
     if "AUTH" in text and "WRONGPASS" not in text and "NOAUTH" not in text:
         return type(exc).__name__
     return text[:300]
+
+
+# -- the wire ------------------------------------------------------------------------------
+DIRECT_BYTES = 64 * 1024
+"""Bulk replies from this size on are received straight into their own buffer."""
+
+
+class Parts:
+    """A command's last argument, sent as a head of ``head_bytes`` made by ``make_head`` (a
+    block's header area, whose checksum reads the payload) just before it goes out, then
+    ``body`` as it is, never copied: a block's ``SET`` value. Made at send time, the checksum
+    pulls the payload into the CPU cache the send then copies it from; made for a whole
+    pipeline ahead, each payload came from memory twice (on 2 MiB blocks to a standalone
+    server, put fell from 0.96x to 0.80x of the raw client's rate). Only connections
+    :func:`tune` set up can send one (valkey-py's packer refuses it)."""
+
+    __slots__ = ("body", "head", "nbytes")
+
+    def __init__(self, head_bytes: int, make_head: Callable[[], bytes], body: memoryview) -> None:
+        self.head = _Head(head_bytes, make_head)
+        self.body = body
+        self.nbytes = head_bytes + body.nbytes
+
+
+class _Head(bytearray):
+    """Where a :class:`Parts` head goes in a packed command: an empty buffer (valkey-py
+    keeps a ``memoryview`` of it apart from the bytes it joins) that names how to make the
+    head and its length."""
+
+    __slots__ = ("make", "nbytes")
+
+    def __init__(self, nbytes: int, make: Callable[[], bytes]) -> None:
+        super().__init__()
+        self.nbytes = nbytes
+        self.make = make
+
+    def made(self) -> bytes:
+        head = self.make()
+        if len(head) != self.nbytes:
+            raise ValueError(f"a {len(head)}-byte head where {self.nbytes} were framed")
+        return head
+
+
+class _PartsPacker:
+    """valkey-py's command packer (``inner``), but a command whose last argument is
+    :class:`Parts` is framed here: its head as a placeholder (:class:`_Head`) that
+    :class:`_PartsSender` makes when it sends it, its body as it is (valkey-py sends
+    memoryviews apart, without joining them)."""
+
+    def __init__(self, inner: Any, encode: Callable[[Any], Any]) -> None:
+        self.inner = inner
+        self.encode = encode
+
+    def pack(self, *args: Any) -> list[Any]:
+        value = args[-1]
+        if type(value) is not Parts:
+            packed: list[Any] = self.inner.pack(*args)
+            return packed
+        frame = [b"*%d\r\n" % len(args)]
+        for arg in map(self.encode, args[:-1]):
+            frame += (b"$%d\r\n" % len(arg), arg, b"\r\n")
+        frame.append(b"$%d\r\n" % value.nbytes)
+        return [b"".join(frame), memoryview(value.head), value.body, b"\r\n"]
+
+
+def _is_head(item: Any) -> bool:
+    return type(item) is memoryview and type(item.obj) is _Head
+
+
+class _PartsSender:
+    """A tuned connection's ``send_packed_command``: a packed command holding a
+    :class:`Parts` head is sent here, each head made as its turn comes and sent joined to
+    the frame before it (one send per block's frame, as valkey-py's framing takes: each
+    send is a TCP segment the server wakes for), with valkey-py's error mapping; any other
+    goes to valkey-py's own (``send``)."""
+
+    __slots__ = ("connection", "send")
+
+    def __init__(self, connection: Any) -> None:
+        self.connection = connection
+        self.send: Callable[..., None] = connection.send_packed_command
+
+    def __call__(self, command: Any, check_health: bool = True) -> None:
+        if not isinstance(command, list) or not any(map(_is_head, command)):
+            self.send(command, check_health)
+            return
+        connection = self.connection
+        if not connection._sock:
+            connection.connect()
+        if check_health:
+            connection.check_health()
+        sendall = connection._sock.sendall
+        last = len(command) - 1
+        try:
+            for at, item in enumerate(command):
+                if _is_head(item):
+                    before, head = command[at - 1], item.obj.made()
+                    sendall(before + head if type(before) is bytes else head)
+                elif at == last or type(item) is not bytes or not _is_head(command[at + 1]):
+                    sendall(item)  # else it goes out with the head after it
+        except BaseException as exc:
+            connection.disconnect()  # part of the pipeline may have gone out
+            error = _send_error(exc)
+            if error is exc:
+                raise
+            raise error from exc
+
+
+def _send_error(exc: BaseException) -> BaseException:
+    """What valkey-py's ``send_packed_command`` raises for ``exc``; a kernel send timeout
+    (:func:`tune`: ``EAGAIN`` from a blocking socket) is a timeout too."""
+    from valkey.exceptions import ConnectionError as ValkeyConnectionError
+    from valkey.exceptions import TimeoutError as ValkeyTimeoutError
+
+    if isinstance(exc, TimeoutError | BlockingIOError):
+        return ValkeyTimeoutError("Timeout writing to socket")
+    if isinstance(exc, OSError):
+        errno, message = ("UNKNOWN", exc.args[0]) if len(exc.args) == 1 else exc.args[:2]
+        return ValkeyConnectionError(f"Error {errno} while writing to socket. {message}.")
+    return exc
+
+
+def _handshake_then_tune(connection: Any) -> None:
+    """valkey-py's connect hook on a standalone client, which replaces its handshake (AUTH,
+    HELLO, ...): the handshake, then :func:`tune`."""
+    connection.on_connect()
+    tune(connection)
+
+
+def tune(connection: Any) -> None:
+    """Set up a connection just opened (and handshaken) to send :class:`Parts` and to receive
+    large bulk replies without copies, its timeout kept by the kernel where it can be. Runs
+    on every (re)connection; a connection with valkey-py's C reader (``libvalkey``
+    installed) keeps it, and Python's timeouts."""
+    packer = connection._command_packer
+    if not isinstance(packer, _PartsPacker):
+        connection._command_packer = _PartsPacker(packer, connection.encoder.encode)
+        connection.send_packed_command = _PartsSender(connection)
+    parser = connection._parser
+    buffer: Any = getattr(parser, "_buffer", None)  # valkey-py's reader in Python
+    bulk = _bulk_buffer()
+    if type(buffer) is not bulk.__base__ or buffer.unread_bytes():
+        return
+    sock, timeout = buffer._sock, buffer.socket_timeout
+    if timeout and sys.platform == "linux" and type(sock) is socket.socket:  # not TLS
+        seconds = int(timeout)
+        interval = struct.pack("@ll", seconds, int((timeout - seconds) * 1e6))
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, interval)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, interval)
+        sock.settimeout(None)  # blocking: valkey-py's poll-free path
+        parser._buffer = bulk(_KernelTimed(sock), buffer.socket_read_size, None)
+    else:
+        parser._buffer = bulk(sock, buffer.socket_read_size, timeout)
+
+
+class _KernelTimed:
+    """The blocking socket a tuned reply buffer reads from, whose kernel timeout (which a
+    ``recv`` reports as ``EAGAIN``) is raised as ``socket.timeout``, as a socket with a
+    Python timeout raises it: valkey-py then reports a ``TimeoutError``. A read that
+    valkey-py makes non-blocking itself (``can_read``) keeps its ``BlockingIOError``."""
+
+    __slots__ = ("sock",)
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+
+    def recv(self, size: int) -> bytes:
+        try:
+            return self.sock.recv(size)
+        except BlockingIOError:
+            if self.sock.gettimeout() is not None:
+                raise
+            raise TimeoutError("timed out") from None
+
+    def recv_into(self, buffer: memoryview) -> int:
+        try:
+            return self.sock.recv_into(buffer)
+        except BlockingIOError:
+            if self.sock.gettimeout() is not None:
+                raise
+            raise TimeoutError("timed out") from None
+
+    def settimeout(self, timeout: float | None) -> None:
+        self.sock.settimeout(timeout)
+
+
+@functools.cache
+def _bulk_buffer() -> Any:
+    """valkey-py's reply buffer, where a bulk reply of at least :data:`DIRECT_BYTES` is
+    received into a ``bytearray`` of its size (the bytes already buffered, then
+    ``recv_into`` the rest), which the reply then is. Built on first use: valkey-py is
+    imported only by a tier that runs."""
+    from valkey._parsers.socket import SERVER_CLOSED_CONNECTION_ERROR, SocketBuffer
+    from valkey.exceptions import ConnectionError as ValkeyConnectionError
+
+    class BulkBuffer(SocketBuffer):
+        def read(self, length: int) -> Any:
+            if length < DIRECT_BYTES:
+                return super().read(length)
+            value = bytearray(length + 2)  # with the reply's closing CRLF
+            with memoryview(value) as view:
+                got = self._buffer.readinto(view)
+                while got < len(view):
+                    # a timeout or a broken socket: the connection disconnects and raises
+                    n = self._sock.recv_into(view[got:])
+                    if not n:
+                        raise ValkeyConnectionError(SERVER_CLOSED_CONNECTION_ERROR)
+                    got += n
+            del value[length:]
+            return value
+
+    return BulkBuffer

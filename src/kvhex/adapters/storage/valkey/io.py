@@ -11,6 +11,9 @@ the header names the key and the payload's XXH3 checksum, so a damaged or foreig
 never served. No key carries a hash tag: a namespace's blocks spread over every slot of a
 cluster, and every command names one key (no cross-slot ``MGET``/``DEL``); a job's commands
 go out as one non-transactional pipeline, which valkey-py's cluster client splits per node.
+A block's ``SET`` sends its header, made (checksum included) as it goes out, then the host
+slot itself, never copied; its ``GET`` is received into one buffer, whose payload is copied
+into the slot and verified (:mod:`._client`).
 
 The server, not this instance, is the truth about what exists: other instances share the
 namespace, and a server with a ``maxmemory-policy`` evicts on its own, so ``exclusive`` is
@@ -29,6 +32,7 @@ take a connection from their pool per command or pipeline.
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -48,7 +52,7 @@ from kvhex.adapters.storage.format import (
     verify,
 )
 from kvhex.adapters.storage.records import header_record
-from kvhex.adapters.storage.valkey._client import safe_text
+from kvhex.adapters.storage.valkey._client import Parts, safe_text
 from kvhex.domain.keys import OffloadKey
 from kvhex.domain.locator import ChunkRecord
 
@@ -153,12 +157,10 @@ class ValkeyIo:
         for key in evict:
             pipe.delete(self.name(key))
         for key, view in items:
-            data = bytearray(HEADER_AREA + len(view))
-            data[HEADER_AREA:] = view
             record = records.get(key, b"") if records else b""
-            # the checksum reads the copy, still in the CPU cache, not the slot again
-            data[:HEADER_AREA] = pack_header(key, memoryview(data)[HEADER_AREA:], None, record)
-            pipe.set(self.name(key), memoryview(data))  # sent as is, not copied again
+            # one value: the header, made as it is sent, then the slot itself (_client.Parts)
+            head = functools.partial(pack_header, key, view, None, record)
+            pipe.set(self.name(key), Parts(HEADER_AREA, head, view))
         try:
             replies = pipe.execute(raise_on_error=False)
         except Exception as exc:
