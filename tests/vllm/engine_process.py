@@ -15,6 +15,7 @@ A command that fails answers ``{"error": traceback}`` and the engine serves on.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import select
@@ -22,10 +23,11 @@ import subprocess
 import sys
 import time
 import traceback
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any, NamedTuple
 
-__all__ = ["EngineProcess", "Held", "Pool"]
+__all__ = ["EngineProcess", "Held", "Pool", "side_by_side"]
 
 SETTLE_STEPS = 200
 """Requests :meth:`EngineProcess.settle` serves at most before kvhex's tier jobs are done."""
@@ -186,6 +188,22 @@ class EngineProcess:
                 self._buffer += chunk
         line, self._buffer = self._buffer.split(b"\n", 1)
         return json.loads(line)
+
+
+@contextlib.contextmanager
+def side_by_side(specs: Mapping[str, dict[str, Any]], logs: Path) -> Iterator[list[EngineProcess]]:
+    """An engine per spec (by name, in order), all started before any is waited for (each
+    logs to ``logs/engine-NAME.log``); every one closed on the way out."""
+    engines: list[EngineProcess] = []
+    try:
+        for name, spec in specs.items():
+            engines.append(EngineProcess(spec, logs / f"engine-{name}.log"))
+        for engine in engines:
+            engine.wait_ready()
+        yield engines
+    finally:
+        for engine in engines:
+            engine.close()
 
 
 # -- the process ------------------------------------------------------------------------

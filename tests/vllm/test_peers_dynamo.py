@@ -22,7 +22,7 @@ import pytest
 
 from tests.dynamo import NOTHING, Credit, DynamoIndexer, expected_credit
 from tests.vllm.engine import BLOCK, CHUNK_BYTES, ENGINE_SKIP, PREFIX, flush, prompt
-from tests.vllm.engine_process import EngineProcess, Held
+from tests.vllm.engine_process import EngineProcess, Held, side_by_side
 
 pytestmark = pytest.mark.skipif(ENGINE_SKIP is not None, reason=ENGINE_SKIP or "")
 
@@ -75,17 +75,8 @@ def two_engines(
         "a": engine_spec(model, tmp_path, "a", peers=peers, file_blocks=OWNER_FILE_BLOCKS),
         "b": engine_spec(model, tmp_path, "b", peers=peers, file_blocks=256),
     }
-    engines: list[EngineProcess] = []
-    try:
-        for name, spec in specs.items():
-            engines.append(EngineProcess(spec, tmp_path / f"engine-{name}.log"))
-        for engine in engines:
-            engine.wait_ready()
-        a, b = engines
+    with side_by_side(specs, tmp_path) as (a, b):
         yield a, b
-    finally:
-        for engine in engines:
-            engine.close()
 
 
 def connect(indexer: DynamoIndexer, instance_id: int, engine: EngineProcess) -> None:

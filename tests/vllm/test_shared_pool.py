@@ -25,7 +25,7 @@ import pytest
 
 from tests.adapters.storage.valkey.servers import Server, client, start_cluster
 from tests.vllm.engine import BLOCK, CHUNK_BYTES, ENGINE_SKIP, PREFIX, prompt
-from tests.vllm.engine_process import EngineProcess
+from tests.vllm.engine_process import EngineProcess, side_by_side
 
 pytestmark = [
     pytest.mark.skipif(ENGINE_SKIP is not None, reason=ENGINE_SKIP or ""),
@@ -173,18 +173,9 @@ def two_engines(
     model: Path, tmp_path: Path, pool: SharedPool
 ) -> Iterator[tuple[EngineProcess, EngineProcess]]:
     """Engines A and B on ``pool``, started side by side."""
-    engines: list[EngineProcess] = []
-    try:
-        for name in ("a", "b"):
-            spec = engine_spec(model, tmp_path, name, pool)
-            engines.append(EngineProcess(spec, tmp_path / f"engine-{name}.log"))
-        for engine in engines:
-            engine.wait_ready()
-        a, b = engines
+    specs = {name: engine_spec(model, tmp_path, name, pool) for name in ("a", "b")}
+    with side_by_side(specs, tmp_path) as (a, b):
         yield a, b
-    finally:
-        for engine in engines:
-            engine.close()
 
 
 def test_a_second_engine_serves_the_prefix_the_first_stored_in_the_pool(

@@ -185,3 +185,27 @@ def wait_cluster_ok(nodes: Sequence[Server], timeout_s: float = 20.0) -> None:
 def flush(ports: Sequence[int], **kwargs: Any) -> None:
     for port in ports:
         client(port, **kwargs).flushall()
+
+
+def start_up_issue(options: dict[str, Any], *secrets: str) -> tuple[str, str]:
+    """The one (key path, problem) kvhex's configuration reports when a Valkey tier with
+    ``options`` (and room for 64 blocks of 4 KiB) starts; no ``secrets`` (``PASSWORD`` and
+    those given) in the error."""
+    import pytest
+
+    from kvhex.adapters.memory import MemoryHostBuffer
+    from kvhex.adapters.storage.format import HEADER_AREA
+    from kvhex.bootstrap import build_engine
+    from kvhex.config import load_config
+    from kvhex.errors import ConfigError
+    from kvhex.plugins import Registry
+
+    slot = 4096
+    tier = {"type": "valkey", "options": {"capacity_bytes": 64 * (slot + HEADER_AREA), **options}}
+    config = load_config({"primary": {"capacity_bytes": 4 * slot}, "tiers": [tier]})
+    with pytest.raises(ConfigError) as info:
+        build_engine(config, MemoryHostBuffer(4, slot), Registry.discover(), namespace={})
+    ((path, problem),) = info.value.issues
+    for secret in (PASSWORD, *secrets):
+        assert secret not in str(info.value)
+    return path, problem

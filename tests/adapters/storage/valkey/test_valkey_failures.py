@@ -15,12 +15,8 @@ import pytest
 from kvhex.adapters.memory import MemoryHostBuffer
 from kvhex.adapters.storage.format import HEADER_AREA
 from kvhex.adapters.storage.valkey.tier import ValkeyTierStore
-from kvhex.bootstrap import build_engine
-from kvhex.config import load_config
 from kvhex.domain import JobId, JobKind, TierJob
 from kvhex.domain.jobs import JobResult
-from kvhex.errors import ConfigError
-from kvhex.plugins import Registry
 from kvhex.testing import block_payload, tier_key
 from tests.adapters.storage.peer_kit import run_job
 from tests.adapters.storage.valkey.servers import (
@@ -28,6 +24,7 @@ from tests.adapters.storage.valkey.servers import (
     SLOT_RANGES,
     Server,
     free_port,
+    start_up_issue,
     wait_cluster_ok,
 )
 
@@ -36,14 +33,7 @@ _ids = itertools.count(90_000)
 
 
 def _fails(options: dict[str, Any]) -> tuple[str, str]:
-    tier = {"type": "valkey", "options": {"capacity_bytes": 64 * (SLOT + HEADER_AREA), **options}}
-    config = load_config({"primary": {"capacity_bytes": 4 * SLOT}, "tiers": [tier]})
-    with pytest.raises(ConfigError) as info:
-        build_engine(config, MemoryHostBuffer(4, SLOT), Registry.discover(), namespace={})
-    ((path, problem),) = info.value.issues
-    assert PASSWORD not in str(info.value)
-    assert "wrong-one" not in str(info.value)
-    return path, problem
+    return start_up_issue(options, "wrong-one")
 
 
 def _url(server: Server) -> str:

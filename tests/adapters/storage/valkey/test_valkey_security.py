@@ -28,13 +28,15 @@ import pytest
 from kvhex.adapters.memory import MemoryHostBuffer
 from kvhex.adapters.storage.format import HEADER_AREA
 from kvhex.adapters.storage.valkey.tier import ValkeyTierStore
-from kvhex.bootstrap import build_engine
-from kvhex.config import load_config
-from kvhex.errors import ConfigError
-from kvhex.plugins import Registry
 from kvhex.testing import block_payload, tier_key
 from tests.adapters.storage.peer_kit import get, put, started
-from tests.adapters.storage.valkey.servers import PASSWORD, Server, client, free_port
+from tests.adapters.storage.valkey.servers import (
+    PASSWORD,
+    Server,
+    client,
+    free_port,
+    start_up_issue,
+)
 
 x509 = pytest.importorskip("cryptography.x509", reason="pip install cryptography (moto's)")
 from cryptography.hazmat.primitives import hashes, serialization  # noqa: E402
@@ -195,15 +197,7 @@ def _prefix() -> str:
 
 
 def _fails(options: dict[str, Any]) -> tuple[str, str]:
-    """The one issue kvhex's configuration reports when a tier with ``options`` starts."""
-    tier = {"type": "valkey", "options": {"capacity_bytes": 64 * (SLOT + HEADER_AREA), **options}}
-    config = load_config({"primary": {"capacity_bytes": 4 * SLOT}, "tiers": [tier]})
-    with pytest.raises(ConfigError) as info:
-        build_engine(config, MemoryHostBuffer(4, SLOT), Registry.discover(), namespace={})
-    ((path, problem),) = info.value.issues
-    for secret in (PASSWORD, USER_PASSWORD):
-        assert secret not in str(info.value)
-    return path, problem
+    return start_up_issue(options, USER_PASSWORD)
 
 
 def _round_trip(store: ValkeyTierStore) -> None:
@@ -335,24 +329,16 @@ def test_a_user_with_the_documented_rights_runs_the_tier(valkey_standalone: Serv
             store.close()
 
 
-def test_a_user_who_may_only_read_is_reported_at_username(valkey_standalone: Server) -> None:
-    rights = [r for r in MINIMAL_RIGHTS if r not in ("+set", "+del")]
-    with _user(valkey_standalone, "~*", *rights) as name:
-        path, problem = _fails(
-            {
-                "url": f"valkey://127.0.0.1:{valkey_standalone.port}/{_prefix()}",
-                "username": name,
-                "password": USER_PASSWORD,
-            }
-        )
-    assert path == "$.tiers[0].options.username"
-    assert "NOPERM" in problem or "permission" in problem
-
-
-def test_a_user_whose_keys_exclude_the_prefix_is_reported_at_username(
-    valkey_standalone: Server,
+@pytest.mark.parametrize(
+    ("keys", "refused"),
+    [("~*", ("+set", "+del")), ("~someone-else/*", ())],
+    ids=["may-only-read", "keys-exclude-the-prefix"],
+)
+def test_a_user_without_the_rights_is_reported_at_username(
+    valkey_standalone: Server, keys: str, refused: tuple[str, ...]
 ) -> None:
-    with _user(valkey_standalone, "~someone-else/*", *MINIMAL_RIGHTS) as name:
+    rights = [r for r in MINIMAL_RIGHTS if r not in refused]
+    with _user(valkey_standalone, keys, *rights) as name:
         path, problem = _fails(
             {
                 "url": f"valkey://127.0.0.1:{valkey_standalone.port}/{_prefix()}",
