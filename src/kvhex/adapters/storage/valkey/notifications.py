@@ -275,8 +275,9 @@ class ServerDrops:
         return None
 
     def _moved(self, host: str, port: int) -> bool:
-        """Whether the cluster says ``host:port`` is no longer a primary; if so, listeners
-        for the primaries nobody listens to are launched."""
+        """Whether the cluster says ``host:port`` is no longer a primary and names one
+        nobody listens to (a promoted replica); if so, listeners for those are launched.
+        A node marked failed before its replica is promoted is tried again."""
         if self._primaries is None:
             return False
         try:
@@ -288,6 +289,8 @@ class ServerDrops:
             return False
         with self._lock:
             new = [node for node in now if node not in self._threads]
+        if not new:  # marked failed, its replica not promoted yet (or none): keep trying
+            return False
         log.warning(
             "valkey_notifications_moved",
             tier=self._tier,
