@@ -104,7 +104,7 @@ def test_missing_required_keys_are_named() -> None:
     with pytest.raises(ConfigError) as info:
         load_config({"tiers": [{"options": {}}]})
     assert info.value.paths == ("$.primary", "$.tiers[0].type")
-    assert "(a kvhex.tiers entry point: fsspec, nixl, memory" in str(info.value)
+    assert "(a kvhex.tiers entry point: fsspec, nixl, valkey, memory" in str(info.value)
 
 
 def test_a_non_table_section_is_a_type_error_at_its_path() -> None:
