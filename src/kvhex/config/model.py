@@ -382,7 +382,9 @@ class TierConfig:
 
     type: PluginName = attrs.field(
         validator=_validator(_plugin_name),
-        metadata={HINT: "a kvhex.tiers entry point: fsspec, nixl, valkey, memory, or a third party's"},
+        metadata={
+            HINT: "a kvhex.tiers entry point: fsspec, nixl, valkey, memory, or a third party's"
+        },
     )
     name: str | None = attrs.field(default=None, validator=_validator(_optional(check_tier_name)))
     options: Options = attrs.field(factory=lambda: Options({}), validator=_validator(_options))

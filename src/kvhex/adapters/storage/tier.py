@@ -145,6 +145,7 @@ class BlockTierStore:
         self.left_at_start: frozenset[OffloadKey] = frozenset()
         """Blocks found at start-up beyond the capacity on shared storage, left in place
         (neither deleted nor announced; gets and probes still find them)."""
+        self._relisting = io if isinstance(io, Relisting) else None  # once, not per poll
         self._pool = IoPool(io_threads, f"kvhex-{self._name}")
         self._closed = False
         self._peers: PeerScan | None = None
@@ -161,13 +162,14 @@ class BlockTierStore:
             inventory = io.inventory()
             self.foreign_files = inventory.foreign
             over = self._index.adopt(inventory.blocks)
-            if not self._exclusive:
+            if self._exclusive:
+                if over:
+                    io.remove_many(over)  # a dead instance's blocks, now this one's to bound
+            else:
+                # shared storage (an object store, a Valkey pool): what does not fit is left
+                # in place, as other instances' blocks it may well be (gets still serve them);
+                # their writers, or the server, bound them
                 self.left_at_start = frozenset(over)
-            if over and self._exclusive:
-                io.remove_many(over)  # a dead instance's blocks, now this one's to bound
-            # shared storage (an object store, a Valkey pool): what does not fit is left in
-            # place, as other instances' blocks it may well be (served by gets all the same);
-            # their writers, or the server, bound them
             self._announce_adopted(self._index.take_events())
         except BaseException:  # nothing half-started stays: locks, files, agents released
             self.close()
@@ -177,8 +179,8 @@ class BlockTierStore:
                 "tier_recovered",
                 tier=self._name,
                 blocks=len(self._index),
-                evicted=len(over) if self._exclusive else 0,
-                left=0 if self._exclusive else len(over),
+                evicted=len(over) - len(self.left_at_start),
+                left=len(self.left_at_start),
                 foreign_files=inventory.foreign,
             )
 
@@ -287,8 +289,8 @@ class BlockTierStore:
                 results.append(self._apply_probe(entry, task))
         if peers is not None and not self._closed:
             peers.tick(time.monotonic())
-        if isinstance(self._io, Relisting) and not self._closed:
-            for listed in self._io.take_listings():  # the namespace record had gone alone
+        if self._relisting is not None and not self._closed:
+            for listed in self._relisting.take_listings():  # the namespace record went alone
                 self.drop_lost([k for k in self.keys() if k not in listed])
         return results
 

@@ -21,14 +21,16 @@ class _UnsignedPayloadConfig:
     s3 = {"payload_signing_enabled": False}  # noqa: RUF012 (what botocore reads)
 
 
-def _botocore(method: str, url: str, credentials: Any, region: str) -> dict[str, str]:
+def _botocore(
+    method: str, url: str, credentials: Any, region: str, now: datetime.datetime = NOW
+) -> dict[str, str]:
     from botocore.auth import S3SigV4Auth
     from botocore.awsrequest import AWSRequest
 
     request = AWSRequest(method=method, url=url, headers={})
     if method == "PUT":  # botocore hashes an http payload unless told not to
         request.context["client_config"] = _UnsignedPayloadConfig()
-    with mock.patch("botocore.auth.get_current_datetime", return_value=NOW.replace(tzinfo=None)):
+    with mock.patch("botocore.auth.get_current_datetime", return_value=now.replace(tzinfo=None)):
         S3SigV4Auth(credentials, "s3", region).add_auth(request)
     return dict(request.headers.items())
 
@@ -51,20 +53,19 @@ def test_signatures_are_botocores(token: str | None, method: str, payload: str, 
     assert ours.get("x-amz-security-token") == theirs.get("X-Amz-Security-Token")
 
 
-def test_the_days_key_is_kept_and_a_new_day_or_secret_gets_its_own() -> None:
+def test_one_signer_stays_right_across_secrets_and_days() -> None:
+    """The signer keeps the day's signing key: signing again with another secret, or past
+    midnight, must not reuse it (each signature is botocore's for that secret and time)."""
     from botocore.credentials import Credentials
 
     signer = SigV4("us-east-1", "h")
     one = Credentials("A", "s1").get_frozen_credentials()
     two = Credentials("A", "s2").get_frozen_credentials()
-    first = signer.headers("GET", "b/k", one, EMPTY_SHA256, NOW)["Authorization"]
-    assert signer.headers("GET", "b/k", one, EMPTY_SHA256, NOW)["Authorization"] == first
-    assert signer.headers("GET", "b/k", two, EMPTY_SHA256, NOW)["Authorization"] != first
-    tomorrow = NOW + datetime.timedelta(seconds=1)
-    theirs = _botocore("GET", "http://h/b/k", one, "us-east-1")
-    assert first == theirs["Authorization"]
-    later = signer.headers("GET", "b/k", one, EMPTY_SHA256, tomorrow)["Authorization"]
-    assert "/20261205/us-east-1/s3/aws4_request" in later
+    tomorrow = NOW + datetime.timedelta(seconds=1)  # 2026-12-05
+    for credentials, now in [(one, NOW), (two, NOW), (one, tomorrow), (one, NOW)]:
+        ours = signer.headers("GET", "b/k", credentials, EMPTY_SHA256, now)["Authorization"]
+        theirs = _botocore("GET", "http://h/b/k", credentials, "us-east-1", now)
+        assert ours == theirs["Authorization"]
 
 
 def test_anonymous_requests_are_not_signed() -> None:
