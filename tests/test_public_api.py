@@ -43,7 +43,7 @@ API: dict[str, list[str]] = {
     "kvhex.domain.policies": ["ArcPolicy", "EvictionPolicy", "LruPolicy", "PolicyFactory"],
     "kvhex.ports": [
         "BlockTransfer", "Closeable", "Deletes", "EventSink", "EventSource", "HostBuffer",
-        "Occupancy", "PeerView", "RequestAware", "TierHealth", "TierStore",
+        "Indexed", "Occupancy", "PeerView", "RequestAware", "TierHealth", "TierStore",
     ],
     "kvhex.service": [
         "EventPipeline", "EventStats", "LoadDecider", "LoadStats", "OffloadEngine",

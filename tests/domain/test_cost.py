@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 
 from kvhex.domain.cost import (
     LoadPlan,
+    LoadWaits,
     PrefillRate,
     TierCost,
     TierEstimate,
@@ -83,6 +84,52 @@ def test_prefill_rate_is_configured_or_measured() -> None:
         PrefillRate(configured=0)
 
 
+def test_a_cold_step_moves_the_measured_prefill_by_one_rank_at_most() -> None:
+    rate = PrefillRate()
+    rate.observe(1000, 10.0)  # the engine's first step: 100 tokens/s
+    for _ in range(2):
+        rate.observe(1000, 0.1)
+    assert rate.tokens_per_s == 10_000
+    for _ in range(20):
+        rate.observe(1000, 0.05)
+    assert rate.tokens_per_s == 20_000  # only recent steps count
+
+
+def test_load_waits_are_medians_and_a_promotions_planned_gets_are_taken_out() -> None:
+    waits = LoadWaits()
+    assert (waits.host_s, waits.promote_s) == (0.0, 0.0)
+    for seconds in (0.004, 0.005, 0.300, 0.006):  # one stalled step among them
+        waits.observe(seconds, promoted=False)
+    assert waits.host_s == pytest.approx(0.0055)
+    waits.observe(0.050, promoted=True, planned_get_s=0.040)
+    waits.observe(0.010, promoted=True, planned_get_s=0.040)  # faster than planned: 0
+    waits.observe(float("nan"), promoted=True)
+    assert waits.promote_s == pytest.approx(0.005)
+
+
+def test_a_loads_wait_makes_a_short_prefix_recomputed_and_a_long_one_loaded() -> None:
+    fast = TierEstimate(latency_s=0.0, seconds_per_byte=1e-12)
+
+    def plan(prefix: list[int | None], host: float, promote: float) -> LoadPlan:
+        return plan_load(
+            prefix,
+            [fast],
+            bytes_per_chunk=CHUNK,
+            tokens_per_chunk=TOKENS,
+            tokens_per_s=1000,  # a chunk recomputes in 16 ms
+            host_wait_s=host,
+            promote_wait_s=promote,
+        )
+
+    assert plan([None, None], host=0.0, promote=0.0).load_chunks == 2  # no wait: as before
+    assert plan([None, None], host=0.050, promote=0.0).load_chunks == 0  # 50 ms > 32 ms
+    assert plan([None] * 4, host=0.050, promote=0.0).load_chunks == 4  # 50 ms < 64 ms
+    # a promotion's wait counts from the first secondary chunk on: the host run alone loads
+    mixed = plan([None] * 4 + [0] * 2, host=0.010, promote=0.200)
+    assert (mixed.load_chunks, mixed.load_s) == (4, 0.010)
+    assert plan([None] * 4 + [0] * 20, host=0.010, promote=0.200).loads_all
+
+
 def test_host_chunks_are_always_loaded_and_a_slow_tier_is_recomputed() -> None:
     slow = TierEstimate(latency_s=2.0, seconds_per_byte=1e-9)
     fast = TierEstimate(latency_s=0.001, seconds_per_byte=1e-10)
@@ -128,14 +175,27 @@ rates = st.floats(10, 1e6)
 
 
 @settings(max_examples=300, deadline=None)
-@given(prefixes, st.lists(estimates, min_size=3, max_size=3), rates)
+@given(
+    prefixes, st.lists(estimates, min_size=3, max_size=3), rates, st.floats(0, 1), st.floats(0, 1)
+)
 def test_a_plan_never_loads_what_costs_more_than_it_saves(
-    prefix: list[int | None], tiers: list[TierEstimate], rate: float
+    prefix: list[int | None], tiers: list[TierEstimate], rate: float, host: float, promote: float
 ) -> None:
-    plan = _plan(prefix, list(tiers), rate)
-    assert 0 <= plan.load_chunks <= len(prefix)
-    assert plan.load_s <= plan.recompute_s
-    assert plan == _plan(prefix, list(tiers), rate)  # deterministic
+    def plan() -> LoadPlan:
+        return plan_load(
+            prefix,
+            list(tiers),
+            bytes_per_chunk=CHUNK,
+            tokens_per_chunk=TOKENS,
+            tokens_per_s=rate,
+            host_wait_s=host,
+            promote_wait_s=promote,
+        )
+
+    made = plan()
+    assert 0 <= made.load_chunks <= len(prefix)
+    assert made.load_s <= made.recompute_s  # waits included
+    assert made == plan()  # deterministic
 
 
 @settings(max_examples=300, deadline=None)

@@ -228,3 +228,106 @@ def test_off_promotes_at_the_first_lookup_as_before() -> None:
     _settle(world)
     assert _ask(world, [1], ctx) == [PENDING]
     assert world.manager.stats().loading.loaded_all == 0  # no plans in OFF
+
+
+def _indexed(world: World) -> None:
+    """The tiers answer lookups from their own index (``Indexed``), as a file tier does."""
+    for store in world.tiers:
+        store.indexed = True
+
+
+def test_an_indexed_tier_planned_ahead_promotes_at_the_first_lookup() -> None:
+    world = _world(LoadMode.AUTO)
+    _offload(world, [1, 2, 3])
+    _indexed(world)
+    _measured(world, 0, latency_s=0.001, per_byte=1e-9)
+    ctx = ReqContext("r")
+    world.manager.plan_ahead([keys(1, 2, 3)], ctx)
+    assert _ask(world, [1, 2, 3], ctx) == [PENDING] * 3  # no probe, no step for a plan
+    world.step()
+    stats = world.manager.stats()
+    assert (stats.tiers[0].gets_submitted, stats.tiers[0].probes_submitted) == (1, 0)
+    _settle(world)
+    assert _ask(world, [1, 2, 3], ctx) == [HIT] * 3
+    assert (stats.loading.loaded_all, stats.loading.chunks_loaded) == (1, 3)
+
+
+def test_a_slow_indexed_tier_planned_ahead_is_recomputed_at_the_first_lookup() -> None:
+    world = _world(LoadMode.AUTO)
+    _offload(world, [1, 2, 3])
+    _indexed(world)
+    _measured(world, 0, latency_s=5.0, per_byte=1e-9)
+    ctx = ReqContext("r")
+    world.manager.plan_ahead([keys(1, 2, 3)], ctx)
+    assert _ask(world, [1, 2, 3], ctx) == [MISS]  # the engine recomputes in this very step
+    world.step()
+    stats = world.manager.stats()
+    assert stats.tiers[0].gets_submitted == 0
+    assert (stats.loading.recomputed, stats.loading.chunks_recomputed) == (1, 3)
+
+
+def test_a_plan_ahead_needing_a_probe_leaves_the_plan_to_step_end() -> None:
+    world = _world(LoadMode.AUTO)  # the tiers answer through probes only
+    _offload(world, [1, 2, 3])
+    _measured(world, 0, latency_s=5.0, per_byte=1e-9)
+    ctx = ReqContext("r")
+    world.manager.plan_ahead([keys(1, 2, 3)], ctx)
+    assert _ask(world, [1, 2, 3], ctx) == [RETRY] * 3
+    assert world.manager.stats().loading.recomputed == 0  # nothing decided yet
+    world.step()
+    _settle(world)
+    world.manager.plan_ahead([keys(1, 2, 3)], ctx)  # the probe answered: known now
+    assert _ask(world, [1, 2, 3], ctx) == [MISS]
+    assert world.manager.stats().loading.recomputed == 1
+
+
+def test_plan_ahead_changes_nothing_with_decisions_off() -> None:
+    world = _world(LoadMode.OFF)
+    _offload(world, [1, 2])
+    _indexed(world)
+    _measured(world, 0, latency_s=5.0, per_byte=1e-9)
+    ctx = ReqContext("r")
+    world.manager.plan_ahead([keys(1, 2)], ctx)
+    assert _ask(world, [1, 2], ctx) == [PENDING] * 2  # every hit promoted, as vLLM does
+
+
+def test_a_short_host_prefix_is_recomputed_once_a_loads_step_costs_more() -> None:
+    world = _world(LoadMode.AUTO)
+    writer = ReqContext("writer")
+    world.store(list(range(1, 11)), writer)
+    world.manager.on_request_finished(writer)
+    _settle(world)
+    short, long = ReqContext("short"), ReqContext("long")
+    world.manager.plan_ahead([keys(1, 2)], short)
+    assert _ask(world, [1, 2], short) == [HIT] * 2  # no wait measured yet: loaded
+    # a load's wait measured at 100 ms: two chunks recompute in 32 ms, ten in 160 ms
+    world.manager.observe_load_wait(ReqContext("past"), 0.1, promoted=False)
+    short = ReqContext("short-2")
+    world.manager.plan_ahead([keys(1, 2)], short)
+    assert _ask(world, [1, 2], short) == [MISS]
+    world.manager.plan_ahead([keys(*range(1, 11))], long)
+    assert _ask(world, list(range(1, 11)), long) == [HIT] * 10
+    loading = world.manager.stats().loading
+    assert (loading.recomputed, loading.loaded_all) == (1, 1)
+    assert (loading.chunks_recomputed, loading.chunks_loaded) == (2, 10)
+    world.manager.on_request_finished(short)
+    assert _ask(world, [1, 2], ReqContext("later")) == [HIT] * 2  # the decision was its own
+
+
+def test_a_promoting_loads_wait_counts_beyond_its_planned_gets() -> None:
+    world = _world(LoadMode.AUTO)
+    _offload(world, [1, 2, 3])
+    _indexed(world)
+    _measured(world, 0, latency_s=0.001, per_byte=1e-9)
+    first = ReqContext("first")
+    world.manager.plan_ahead([keys(1, 2, 3)], first)
+    assert _ask(world, [1, 2, 3], first) == [PENDING] * 3
+    # that load took 2 s to reach its compute step: promotions cost more than 3 chunks save
+    world.manager.observe_load_wait(first, 2.0, promoted=True)
+    world.manager.on_request_finished(first)
+    world.step()
+    _settle(world)
+    world.manager.reset()
+    second = ReqContext("second")
+    world.manager.plan_ahead([keys(1, 2, 3)], second)
+    assert _ask(world, [1, 2, 3], second) == [MISS]

@@ -333,3 +333,31 @@ def test_drain_close_and_a_snapshot_that_does_not_move_with_the_tier() -> None:
     assert now.promotion_slot_failures == 1
     rig.driver.close()
     assert rig.driver.submit(rig.job(JobKind.GET, [1])) is not None  # closed: refused
+
+
+def test_a_tier_with_its_own_index_is_asked_at_lookup_without_a_probe() -> None:
+    rig = Rig()
+    rig.store.indexed = True
+    rig.run(JobKind.PUT, [1, 2])
+    assert rig.driver.peek(key(1)) is True  # counts nothing, queues nothing
+    assert rig.lookup([1, 2, 3]) == [HIT, HIT, MISS]
+    stats = rig.driver.snapshot()
+    assert (stats.lookups, stats.hits, stats.misses) == (3, 2, 1)
+    rig.driver.submit_probes()
+    assert rig.probe_ids == []  # nothing to probe
+    rig.store.fail_next_gets()
+    rig.run(JobKind.GET, [1])
+    assert rig.lookup([1]) == [MISS]  # its get failed here: missing, whatever the index says
+    assert rig.driver.peek(key(1)) is False
+
+
+def test_peek_of_a_probed_tier_knows_only_answered_probes() -> None:
+    rig = Rig()
+    rig.run(JobKind.PUT, [1])
+    assert rig.driver.peek(key(1)) is None
+    assert rig.lookup([1]) == [RETRY]
+    assert rig.driver.peek(key(1)) is None  # queued, not answered
+    rig.driver.submit_probes()
+    rig.driver.poll()
+    assert rig.driver.peek(key(1)) is True
+    assert rig.lookup([1]) == [HIT]

@@ -256,9 +256,9 @@ def test_an_empty_step_yields_to_the_tiers_only_while_they_work(
 
     naps: list[float] = []
     monkeypatch.setattr(module, "_nap", naps.append)
-    connector = scheduler_connector(
-        tmp_path / "model", _extra(tmp_path / "kv"), "KvhexOffloadingConnector"
-    )
+    probed = {"type": "KvhexSecondaryTier", "tier": "memory", "capacity_bytes": 64 * PAGE}
+    extra = {**_extra(tmp_path / "kv"), "secondary_tiers": [probed]}  # asked through probes
+    connector = scheduler_connector(tmp_path / "model", extra, "KvhexOffloadingConnector")
     connectors.append(connector)
     driver = Driver(connector)
     manager = connector.connector_scheduler.manager
@@ -267,7 +267,7 @@ def test_an_empty_step_yields_to_the_tiers_only_while_they_work(
     req = request("r1", PROMPT)
     connector.on_new_request(req)
     hits, _ = connector.get_num_new_matched_tokens(req, 0)
-    assert hits is None  # the file tier is being probed
+    assert hits is None  # the tier is being probed
     assert manager.has_pending_work()
     driver.step()  # schedules nothing
     assert naps == [module.IDLE_STEP_WAIT_S]
@@ -310,3 +310,59 @@ def test_a_shared_tier_is_announced_shared_where_the_events_can_say_so(
     driver.finish(req)
     driver.until(lambda: bool(_stored(driver.events, medium)))
     assert {e.locality for e in _stored(driver.events, medium)} == {published}
+
+
+def _offloaded_to_files(driver: Driver, connector: Any) -> None:
+    """A request stores ``PROMPT``, finishes, its cascade reaches the file tier; host memory
+    is then emptied (reset): the prompt lives in the file tier alone."""
+    first = request("writer", PROMPT)
+    connector.on_new_request(first)
+    assert driver.matched(first) == 0
+    meta = driver.prefill(first)
+    driver.complete(list(meta.store_jobs))
+    driver.finish(first)
+    driver.until(lambda: not connector.connector_scheduler.manager.has_pending_work())
+    connector.reset_cache()
+    driver.step()
+
+
+@pytest.mark.parametrize(("prefill_tokens_per_s", "answer"), [(1.0, None), (1e12, 0)])
+def test_load_or_recompute_is_decided_at_the_requests_first_lookup(
+    tmp_path: Path, connectors: list[Any], prefill_tokens_per_s: float, answer: int | None
+) -> None:
+    """The file tier answers from its own index and the plan is made before vLLM looks the
+    request up: a tier worth loading promotes at the first lookup (no probe, no step waiting
+    for a plan), one not worth it is recomputed at once (0 tokens: scheduled this step)."""
+    loading = {"mode": "auto", "prefill_tokens_per_s": prefill_tokens_per_s}
+    extra = _extra(tmp_path / "kv", kvhex={"loading": loading})
+    connector = scheduler_connector(tmp_path / "model", extra, "KvhexOffloadingConnector")
+    connectors.append(connector)
+    engine = connector.connector_scheduler.manager.engine
+    driver = Driver(connector)
+    _offloaded_to_files(driver, connector)
+    probes = engine.stats().tiers[0].probes_submitted
+
+    # the tier's gets were never measured: loaded (to measure them), promoted at once
+    second = request("r2", [*PROMPT, 1, 2, 3])
+    connector.on_new_request(second)
+    assert connector.get_num_new_matched_tokens(second, 0)[0] is None
+    driver.step()
+    assert engine.stats().tiers[0].gets_submitted == 1  # in the very step of the lookup
+    assert driver.matched(second) == 64
+    meta = driver.prefill(second, external=64)
+    driver.complete(list(meta.load_jobs))
+    driver.finish(second)
+    connector.reset_cache()
+    driver.step()
+
+    # measured now: decided at the first lookup, as the prefill speed says
+    third = request("r3", [*PROMPT, 4, 5, 6])
+    connector.on_new_request(third)
+    assert connector.get_num_new_matched_tokens(third, 0)[0] == answer
+    driver.step()
+    stats = engine.stats()
+    assert stats.tiers[0].probes_submitted == probes  # the tier's index answered every lookup
+    assert stats.tiers[0].gets_submitted == (2 if answer is None else 1)
+    assert (stats.loading.loaded_all, stats.loading.recomputed) == (
+        (2, 0) if answer is None else (1, 1)
+    )

@@ -9,6 +9,8 @@ it needs to tell the two apart and decides per request:
   tier's fixed cost per job and its throughput are told apart;
 * :class:`PrefillRate`: the engine's prefill speed (tokens per second), measured from its
   steps or configured;
+* :class:`LoadWaits`: what a load costs a request in engine steps beyond its gets (the step
+  that copies to the device, the one that promotes), measured;
 * :func:`plan_load`: given the matched prefix chunk by chunk (host memory or a secondary tier
   holds each), the number of leading chunks to load; the rest is recomputed.
 
@@ -16,9 +18,11 @@ Pure and deterministic: the same inputs give the same answer; clocks and measure
 from the caller.
 
 The plan. Loading the first ``L`` chunks is estimated to take ``sum over the tiers used of
-(queue_s + latency_s + chunks * bytes_per_chunk * seconds_per_byte)`` (host memory costs
-nothing: its copy to the device runs at memory bandwidth, far faster than a prefill); it
-saves recomputing ``L * tokens_per_chunk`` tokens. ``plan_load`` picks the ``L`` with the
+(queue_s + latency_s + chunks * bytes_per_chunk * seconds_per_byte)``, plus the wait a load
+costs in engine steps (host memory's copy runs at memory bandwidth, far faster than a
+prefill, but the request computes only in the step after it: on a short prefix and a fast
+prefill that step can cost more than recomputing); it saves recomputing
+``L * tokens_per_chunk`` tokens. ``plan_load`` picks the ``L`` with the
 largest saving (the smallest such ``L`` on ties), so it never loads what costs more than it
 saves by its own estimate. Tiers are summed, not overlapped: conservative when two tiers
 serve one prefix, and what makes the plan monotone: a slower tier, or a faster prefill,
@@ -112,14 +116,24 @@ class TierCost:
         return TierEstimate(intercept, slope, queued_bytes * slope)
 
 
+_RECENT = 9
+"""Recent samples a median is taken over (``PrefillRate``, ``LoadWaits``): one outlier, such
+as the engine's cold first step, moves it by at most one rank."""
+
+
+def _median(samples: Sequence[float]) -> float:
+    ordered = sorted(samples)
+    mid = len(ordered) // 2
+    return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
+
+
 @attrs.define(slots=True)
 class PrefillRate:
-    """The engine's prefill speed in tokens per second: configured, or an exponential moving
-    average over measured steps (``alpha`` the weight of each new step)."""
+    """The engine's prefill speed in tokens per second: configured, or the median over its
+    recent measured steps (a cold or interrupted step moves it by one rank at most)."""
 
     configured: float | None = attrs.field(default=None)
-    alpha: float = attrs.field(default=0.2, validator=_positive)
-    _measured: float | None = attrs.field(default=None, init=False)
+    _recent: list[float] = attrs.field(factory=list, init=False)
     steps: int = attrs.field(default=0, init=False)
 
     @configured.validator
@@ -131,18 +145,52 @@ class PrefillRate:
         """A step computed ``tokens`` tokens in ``seconds``."""
         if tokens <= 0 or not (seconds > 0 and math.isfinite(seconds)):
             return
-        rate = tokens / seconds
-        self._measured = (
-            rate
-            if self._measured is None
-            else (self._measured + self.alpha * (rate - self._measured))
-        )
+        self._recent.append(tokens / seconds)
+        if len(self._recent) > _RECENT:
+            del self._recent[0]
         self.steps += 1
 
     @property
     def tokens_per_s(self) -> float | None:
         """The configured rate if set, else the measured one (``None`` before any step)."""
-        return self.configured if self.configured is not None else self._measured
+        if self.configured is not None:
+            return self.configured
+        return _median(self._recent) if self._recent else None
+
+
+@attrs.define(slots=True)
+class LoadWaits:
+    """How long a request waits for a load before it computes, beyond the tiers' gets: what
+    a load costs the engine in steps (the step that copies to the device, the step that
+    promotes), measured on the engine's own requests. Recomputing starts at once instead.
+
+    ``host_s``: a prefix wholly in host memory; ``promote_s``: one that promotes from a
+    secondary tier (the planned get time taken out). Medians of the recent waits; 0 before
+    any was measured (loads then cost only their gets, as before)."""
+
+    _host: list[float] = attrs.field(factory=list, init=False)
+    _promote: list[float] = attrs.field(factory=list, init=False)
+
+    def observe(self, seconds: float, *, promoted: bool, planned_get_s: float = 0.0) -> None:
+        """A request waited ``seconds`` from its lookup until it was scheduled to compute;
+        ``promoted``: part of its prefix came from a secondary tier, whose gets were
+        planned to take ``planned_get_s``."""
+        if not (seconds >= 0 and math.isfinite(seconds)):
+            return
+        recent = self._promote if promoted else self._host
+        recent.append(max(0.0, seconds - planned_get_s) if promoted else seconds)
+        if len(recent) > _RECENT:
+            del recent[0]
+
+    @property
+    def host_s(self) -> float:
+        """The wait of a load from host memory (0 before any was measured)."""
+        return _median(self._host) if self._host else 0.0
+
+    @property
+    def promote_s(self) -> float:
+        """The wait of a promoting load beyond its gets (0 before any was measured)."""
+        return _median(self._promote) if self._promote else 0.0
 
 
 @attrs.frozen(slots=True)
@@ -174,6 +222,8 @@ def plan_load(
     bytes_per_chunk: int,
     tokens_per_chunk: float,
     tokens_per_s: float | None,
+    host_wait_s: float = 0.0,
+    promote_wait_s: float = 0.0,
 ) -> LoadPlan:
     """The leading chunks of ``prefix`` worth loading.
 
@@ -185,6 +235,9 @@ def plan_load(
         bytes_per_chunk: bytes one chunk moves.
         tokens_per_chunk: tokens one chunk saves from recomputing.
         tokens_per_s: the engine's prefill speed; ``None`` (unknown) loads everything.
+        host_wait_s: what any load costs the request in engine steps (``LoadWaits``).
+        promote_wait_s: the same for a load that promotes from a secondary tier, beyond
+            its gets.
 
     Returns the plan whose load saves the most estimated time (ties: the fewer chunks).
     """
@@ -195,6 +248,7 @@ def plan_load(
     used: dict[int, int] = {}
     best_chunks, best_saving, best_load = 0, 0.0, 0.0
     load = 0.0
+    wait = host_wait_s
     for i, tier in enumerate(prefix):
         if tier is not None:
             estimate = estimates[tier]
@@ -204,9 +258,10 @@ def plan_load(
                 load += estimate.queue_s + estimate.latency_s
             load += bytes_per_chunk * estimate.seconds_per_byte
             used[tier] = count + 1
-        saving = (i + 1) * per_chunk - load
+            wait = promote_wait_s
+        saving = (i + 1) * per_chunk - load - wait
         if saving > best_saving:
-            best_chunks, best_saving, best_load = i + 1, saving, load
+            best_chunks, best_saving, best_load = i + 1, saving, load + wait
     return LoadPlan(best_chunks, best_load, best_chunks * per_chunk, n)
 
 

@@ -10,7 +10,14 @@ from kvhex.ports.capabilities import Closeable, TierHealth
 from kvhex.ports.event_sink import EventSink
 from kvhex.ports.events import EventSource
 from kvhex.ports.host_buffer import HostBuffer
-from kvhex.ports.tier_store import Deletes, Occupancy, PeerView, RequestAware, TierStore
+from kvhex.ports.tier_store import (
+    Deletes,
+    Indexed,
+    Occupancy,
+    PeerView,
+    RequestAware,
+    TierStore,
+)
 from kvhex.ports.transfer import BlockTransfer
 
 __all__ = [
@@ -20,6 +27,7 @@ __all__ = [
     "EventSink",
     "EventSource",
     "HostBuffer",
+    "Indexed",
     "Occupancy",
     "PeerView",
     "RequestAware",

@@ -125,6 +125,22 @@ class Occupancy(Protocol):
 
 
 @runtime_checkable
+class Indexed(Protocol):
+    """Optional for a ``TierStore`` whose own index is the truth about what it holds (the
+    storage is its alone, as a local file tier's is): lookups ask it at once instead of
+    probing, so a hit costs the engine no step of waiting for a probe, and load-or-recompute
+    can be decided while the scheduler looks the request up."""
+
+    def held_now(self, key: OffloadKey) -> bool | None:
+        """``True`` when a get submitted now would find ``key`` (readable, not being
+        written or removed); ``False`` when the tier does not hold it; ``None`` when only a
+        probe can tell (for instance while blocks found at start-up are being adopted).
+        Called on the thread that submits the tier's jobs, per key per lookup: a dict read,
+        never IO."""
+        ...
+
+
+@runtime_checkable
 class PeerView(Protocol):
     """Optional for a ``TierStore`` on storage other instances share: it also announces the
     blocks the other instances hold there (which its gets can load), under

@@ -75,7 +75,7 @@ class OffloadEngine:
 
     def _live(self, operation: str) -> TieringManager:
         if self._closed:
-            raise StateError(operation, b"", "refused: the engine was shut down")
+            raise _refused(operation)
         return self._manager
 
     def lookup(self, key: OffloadKey, ctx: ReqContext, *, promote: bool = True) -> LookupResult:
@@ -83,10 +83,17 @@ class OffloadEngine:
         ``promote=False`` only host memory answers (no promotion starts): for an engine
         that must keep host slots free of new writes for a while (after a reset, until its
         workers confirmed that no late device copy still writes them)."""
-        manager = self._live("lookup")
+        if self._closed:  # inline, not _live: per chunk, per step
+            raise _refused("lookup")
         if promote:
-            return manager.lookup(key, ctx)
-        return manager.lookup_host(key)
+            return self._manager.lookup(key, ctx)
+        return self._manager.lookup_host(key)
+
+    def plan_ahead(self, runs: Sequence[Sequence[OffloadKey]], ctx: ReqContext) -> None:
+        """The scheduler will look up ``runs`` (one run of keys per KV group, in prefix
+        order) for ``ctx``: decide load or recompute now where every answer is known. See
+        ``TieringManager.plan_ahead``."""
+        self._live("plan_ahead").plan_ahead(runs, ctx)
 
     def load_source(self, key: OffloadKey, ctx: ReqContext) -> TierIdentity | None:
         """The secondary tier a ``HIT`` of ``key`` for ``ctx`` was promoted from, ``None``
@@ -95,37 +102,53 @@ class OffloadEngine:
 
     def prepare_load(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> list[int]:
         """Pin the host slots of ``keys`` (answered ``HIT``) for a device load."""
-        return self._live("prepare_load").prepare_load(keys, ctx)
+        if self._closed:
+            raise _refused("prepare_load")
+        return self._manager.prepare_load(keys, ctx)
 
     def touch(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> None:
         """Mark ``keys`` recently used in every tier."""
-        self._live("touch").touch(keys, ctx)
+        if self._closed:
+            raise _refused("touch")
+        self._manager.touch(keys, ctx)
 
     def complete_load(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> None:
         """The device load of ``keys`` finished."""
-        self._live("complete_load").complete_load(keys, ctx)
+        if self._closed:
+            raise _refused("complete_load")
+        self._manager.complete_load(keys, ctx)
 
     def prepare_store(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> StorePlan | None:
         """Reserve host slots for new keys; ``None`` when the host tier is full."""
-        return self._live("prepare_store").prepare_store(keys, ctx)
+        if self._closed:
+            raise _refused("prepare_store")
+        return self._manager.prepare_store(keys, ctx)
 
     def complete_store(
         self, keys: Sequence[OffloadKey], ctx: ReqContext, success: bool = True
     ) -> None:
         """The device -> host store of ``keys`` finished (or failed)."""
-        self._live("complete_store").complete_store(keys, ctx, success)
+        if self._closed:
+            raise _refused("complete_store")
+        self._manager.complete_store(keys, ctx, success)
 
     def on_new_request(self, ctx: ReqContext) -> OffloadPolicy:
         """First sight of a request; its offload policy."""
-        return self._live("on_new_request").on_new_request(ctx)
+        if self._closed:
+            raise _refused("on_new_request")
+        return self._manager.on_new_request(ctx)
 
     def on_request_finished(self, ctx: ReqContext) -> None:
         """No more submissions for ``ctx`` (completions may still arrive)."""
-        self._live("on_request_finished").on_request_finished(ctx)
+        if self._closed:
+            raise _refused("on_request_finished")
+        self._manager.on_request_finished(ctx)
 
     def on_schedule_end(self) -> None:
         """Once per scheduler step."""
-        self._live("on_schedule_end").on_schedule_end()
+        if self._closed:
+            raise _refused("on_schedule_end")
+        self._manager.on_schedule_end()
 
     def take_events(self, exclude: Collection[TierIdentity] = ()) -> list[PublicEvent]:
         """This step's public events (primary tier first, then each tier in order), with
@@ -140,7 +163,9 @@ class OffloadEngine:
         and unpublished, for a host engine that translates them itself (vLLM's own events
         tracker); ``exclude`` as for ``take_events``. Either this or ``take_events`` drains a
         step's events, not both."""
-        raw = self._live("take_events").take_events()
+        if self._closed:
+            raise _refused("take_events")
+        raw = self._manager.take_events()
         if exclude:
             raw = [event for event in raw if event.tier not in exclude]
         return self._announcer.order(raw)
@@ -155,6 +180,12 @@ class OffloadEngine:
         """The host engine computed ``tokens`` tokens in ``seconds`` (one step): the prefill
         speed load decisions compare loads with."""
         self._manager.observe_prefill(tokens, seconds)
+
+    def observe_load_wait(self, ctx: ReqContext, seconds: float, *, promoted: bool) -> None:
+        """The host engine scheduled ``ctx`` to compute ``seconds`` after its lookup, its
+        prefix loaded from host memory alone or ``promoted`` from a secondary tier: a load's
+        cost in engine steps, which load decisions weigh against recomputing."""
+        self._manager.observe_load_wait(ctx, seconds, promoted=promoted)
 
     def set_load_mode(self, mode: LoadMode) -> None:
         """Decide secondary-tier hits as ``mode`` says from now on (``OFF``: promote every
@@ -216,3 +247,7 @@ class OffloadEngine:
     def announcer(self) -> Announcer:
         """Orders and relabels the tiers' events before they are announced."""
         return self._announcer
+
+
+def _refused(operation: str) -> StateError:
+    return StateError(operation, b"", "refused: the engine was shut down")

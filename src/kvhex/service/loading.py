@@ -26,7 +26,15 @@ from types import MappingProxyType
 
 import attrs
 
-from kvhex.domain.cost import LoadMode, LoadPlan, PrefillRate, TierEstimate, plan_fixed, plan_load
+from kvhex.domain.cost import (
+    LoadMode,
+    LoadPlan,
+    LoadWaits,
+    PrefillRate,
+    TierEstimate,
+    plan_fixed,
+    plan_load,
+)
 from kvhex.domain.geometry import KvGeometry
 from kvhex.domain.keys import OffloadKey
 from kvhex.domain.request import ReqContext
@@ -86,8 +94,15 @@ class LoadDecider:
         self.tokens_per_key = tokens_per_key
         self.explore_every = explore_every
         self.stats = LoadStats()
+        self.waits = LoadWaits()
+        """What loads cost requests in engine steps (measured by the engine's adapter)."""
         self._scans: dict[ReqContext, Scan] = {}
         self._decided: dict[ReqContext, dict[OffloadKey, bool]] = {}
+        self._planned_get_s: dict[ReqContext, float] = {}
+        self._declined: dict[ReqContext, set[OffloadKey]] = {}
+        self.host_declined: Mapping[ReqContext, set[OffloadKey]] = MappingProxyType(self._declined)
+        """Per request, the host-memory keys its plan recomputes (read-only, live; empty
+        while no plan declined a host chunk): the owner answers their lookups ``MISS``."""
         self._recomputes: dict[int, int] = {}
         self.open_scans: Mapping[ReqContext, Scan] = MappingProxyType(self._scans)
         """The scans open this step, read-only and live: empty while no request's lookup
@@ -153,15 +168,62 @@ class LoadDecider:
         for ctx, scan in self._scans.items():
             if not scan.complete:
                 continue  # a tier is still probing part of it: the next step's scan
-            cut = self.plan(scan, estimates, bytes_per_key)
-            decided = self._decided.setdefault(ctx, {})
-            for i, (key, tier) in enumerate(zip(scan.keys, scan.tiers, strict=True)):
-                if tier is not None:
-                    decided[key] = i < cut
-                    if i < cut:
-                        promotions.append((ctx, key, tier))
+            for key, tier in self._decide(ctx, scan, estimates, bytes_per_key):
+                promotions.append((ctx, key, tier))
         self._scans.clear()
         return promotions
+
+    def decide_now(
+        self,
+        ctx: ReqContext,
+        keys: Sequence[OffloadKey],
+        tiers: Sequence[int | None],
+        estimates: Sequence[TierEstimate | None],
+        bytes_per_key: int,
+    ) -> None:
+        """Plan ``ctx``'s matched prefix before the scheduler looks it up: ``keys`` in
+        lookup order, each held by host memory (``None``) or the secondary tier ``tiers``
+        names, all known now. The lookups that follow answer as decided (a promotion or a
+        miss at once), so the request waits no step for a plan. Nothing when ``ctx``
+        decided already (its decisions stand) or no secondary tier holds a key."""
+        if ctx in self._decided:
+            return
+        if all(t is None for t in tiers) and (
+            self.mode is not LoadMode.AUTO or not self.waits.host_s
+        ):
+            return  # a host prefix is loaded unless a load's wait was measured to cost
+        scan = Scan(list(keys), list(tiers))
+        self._decide(ctx, scan, estimates, bytes_per_key)
+        self._scans.pop(ctx, None)
+
+    def _decide(
+        self,
+        ctx: ReqContext,
+        scan: Scan,
+        estimates: Sequence[TierEstimate | None],
+        bytes_per_key: int,
+    ) -> list[tuple[OffloadKey, int]]:
+        """Plan ``scan`` and remember it for ``ctx``; the keys to promote, with their tier."""
+        cut = self.plan(scan, estimates, bytes_per_key)
+        decided = self._decided.setdefault(ctx, {})
+        loads = []
+        for i, (key, tier) in enumerate(zip(scan.keys, scan.tiers, strict=True)):
+            if tier is not None:
+                decided[key] = i < cut
+                if i < cut:
+                    loads.append((key, tier))
+            elif i >= cut:
+                self._declined.setdefault(ctx, set()).add(key)
+        if loads:
+            self._planned_get_s[ctx] = self.stats.last_load_s - self.waits.promote_s
+        return loads
+
+    def observe_wait(self, ctx: ReqContext, seconds: float, *, promoted: bool) -> None:
+        """``ctx`` waited ``seconds`` from its lookup until it was scheduled to compute, its
+        load from host memory alone or ``promoted`` from a secondary tier (the gets its plan
+        expected are taken out)."""
+        planned = self._planned_get_s.pop(ctx, 0.0)
+        self.waits.observe(seconds, promoted=promoted, planned_get_s=max(0.0, planned))
 
     def plan(
         self,
@@ -183,6 +245,8 @@ class LoadDecider:
                 bytes_per_chunk=bytes_per_key,
                 tokens_per_chunk=tokens,
                 tokens_per_s=self.prefill.tokens_per_s,
+                host_wait_s=self.waits.host_s,
+                promote_wait_s=self.waits.promote_s,
             )
         cut = plan.load_chunks
         left = {t for t in scan.tiers[cut:] if t is not None}
@@ -204,6 +268,8 @@ class LoadDecider:
         stats = self.stats
         loaded = sum(1 for t in tiers[:cut] if t is not None)
         left = sum(1 for t in tiers[cut:] if t is not None)
+        if not loaded and not left:  # a prefix in host memory alone: its chunks count
+            loaded, left = cut, len(tiers) - cut
         stats.chunks_loaded += loaded
         stats.chunks_recomputed += left
         if not left:
@@ -218,11 +284,15 @@ class LoadDecider:
         """``ctx`` is done: drop its scan and decisions."""
         self._scans.pop(ctx, None)
         self._decided.pop(ctx, None)
+        self._declined.pop(ctx, None)
+        self._planned_get_s.pop(ctx, None)
 
     def clear(self) -> None:
         """A reset: every scan and decision goes (the chunks they named may be gone)."""
         self._scans.clear()
         self._decided.clear()
+        self._declined.clear()
+        self._planned_get_s.clear()
 
     def snapshot(self) -> LoadStats:
         """A copy of the counters."""

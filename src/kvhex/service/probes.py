@@ -58,6 +58,14 @@ class ProbeCache:
             return LookupResult.HIT if probe.found else LookupResult.MISS
         return LookupResult.RETRY
 
+    def peek(self, key: OffloadKey) -> bool | None:
+        """The answer known for ``key`` (``None``: not probed, or its probe not back yet),
+        without queuing a probe or registering anyone."""
+        probe = self._probes.get(key)
+        if probe is None or probe.phase is not _Phase.RESOLVED:
+            return None
+        return probe.found
+
     def take_batch(self) -> list[OffloadKey]:
         """This step's queued keys (each once), to send as one probe job."""
         batch, self._batch = self._batch, []

@@ -99,6 +99,46 @@ class Promotions:
             self._loading.close_scan(ctx, probing=retry)
         return _RETRY if retry else _MISS
 
+    def plan_ahead(
+        self, runs: Sequence[Sequence[OffloadKey]], ctx: ReqContext, slot_bytes: int
+    ) -> None:
+        """Decide load or recompute for ``ctx`` before the scheduler looks it up, where every
+        answer is known now (host memory, tiers with their own index, probes answered):
+        ``runs`` are the keys the scheduler will look up, one run per KV group, each in
+        prefix order (a run ends at its first miss). Nothing when decisions are off, a tier
+        must still be probed, or no secondary tier holds a key: the lookups then go as
+        before (a plan at step end)."""
+        if not self._loading.active:
+            return
+        allows = ctx.tier_filter.allows
+        slot_of = self._primary.slot_of
+        keys: list[OffloadKey] = []
+        tiers: list[int | None] = []
+        for run in runs:
+            for key in run:
+                if slot_of(key) is not None:
+                    keys.append(key)
+                    tiers.append(None)
+                    continue
+                found = None
+                for tier, driver in self._tiers:
+                    identity = driver.identity
+                    if not allows(identity.medium, identity.locality):
+                        continue
+                    held = driver.peek(key)
+                    if held is None:
+                        return  # only a probe can tell: planned at step end
+                    if held:
+                        found = tier
+                        break
+                if found is None:
+                    break
+                keys.append(key)
+                tiers.append(found)
+        if keys:
+            estimates = [driver.get_estimate(slot_bytes) for driver in self._drivers]
+            self._loading.decide_now(ctx, keys, tiers, estimates, slot_bytes)
+
     def set_load_mode(self, mode: LoadMode) -> None:
         """Switch the load decisions' mode (see ``LoadDecider.set_mode``)."""
         self._loading.set_mode(mode)

@@ -106,7 +106,9 @@ class TierStats:
 
 @attrs.define
 class LoadStats:
-    """Cumulative decisions (one per complete scan that held secondary-tier chunks)."""
+    """Cumulative decisions: one per complete scan that held secondary-tier chunks, and one
+    per prefix held by host memory alone once a load's wait was measured (its chunks count
+    as loaded or recomputed too)."""
 
     loaded_all: int = 0
     """Plans that loaded every matched chunk."""
@@ -117,9 +119,10 @@ class LoadStats:
     explored: int = 0
     """Plans that loaded although the estimate said recompute (to re-measure the tier)."""
     chunks_loaded: int = 0
-    """Secondary-tier chunks chosen for loading."""
+    """Secondary-tier chunks chosen for loading (host chunks, in a host-only plan)."""
     chunks_recomputed: int = 0
-    """Secondary-tier chunks left to the engine to recompute."""
+    """Secondary-tier chunks left to the engine to recompute (host chunks, in a host-only
+    plan)."""
     last_load_s: float = 0.0
     """The latest plan's estimated load seconds."""
     last_recompute_s: float = 0.0

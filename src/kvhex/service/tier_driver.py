@@ -34,7 +34,7 @@ from kvhex.domain.keys import OffloadKey
 from kvhex.domain.request import ReqContext
 from kvhex.domain.tiers import LookupResult, TierIdentity
 from kvhex.ports.capabilities import TierHealth
-from kvhex.ports.tier_store import Occupancy, RequestAware, TierStore
+from kvhex.ports.tier_store import Indexed, Occupancy, RequestAware, TierStore
 from kvhex.service.probes import ProbeCache
 from kvhex.service.stats import TierStats
 
@@ -60,6 +60,7 @@ class TierDriver:
 
     __slots__ = (
         "_health",
+        "_held_now",
         "_hooks",
         "_jobs",
         "_missing",
@@ -84,6 +85,7 @@ class TierDriver:
         self._hooks = store if isinstance(store, RequestAware) else None
         self._occupancy = store if isinstance(store, Occupancy) else None
         self._health = store if isinstance(store, TierHealth) else None
+        self._held_now = store.held_now if isinstance(store, Indexed) else None
         self.identity: TierIdentity = store.identity
         """The tier's identity (read-only; a plain attribute: lookups read it per key)."""
         self._stats = TierStats(name, self.identity.medium)
@@ -144,12 +146,19 @@ class TierDriver:
         return len(self._jobs)
 
     def lookup(self, key: OffloadKey, ctx: ReqContext) -> LookupResult:
-        """``MISS`` for a key whose get failed here; otherwise the probe's answer: ``HIT`` or
-        ``MISS`` once answered, ``RETRY`` before (the first ask queues the key for the probe
+        """``MISS`` for a key whose get failed here; otherwise the answer of the tier's own
+        index where it has one (``Indexed``), else the probe's: ``HIT`` or ``MISS`` once
+        answered, ``RETRY`` before (the first ask queues the key for the probe
         ``submit_probes`` sends). ``ctx`` keeps the answer alive until ``forget_request``."""
         stats = self._stats
         stats.lookups += 1
         if key in self._missing:
+            stats.misses += 1
+            return _MISS
+        if self._held_now is not None and (held := self._held_now(key)) is not None:
+            if held:  # the tier's own index answers (``Indexed``): no probe, no step
+                stats.hits += 1
+                return _HIT
             stats.misses += 1
             return _MISS
         answer = self._probes.lookup(key, ctx)
@@ -158,6 +167,15 @@ class TierDriver:
         elif answer is _MISS:
             stats.misses += 1
         return answer
+
+    def peek(self, key: OffloadKey) -> bool | None:
+        """What ``lookup`` would answer now, without counting, probing or remembering:
+        ``True`` hit, ``False`` miss, ``None`` not known yet (a probe would be needed)."""
+        if key in self._missing:
+            return False
+        if self._held_now is not None and (held := self._held_now(key)) is not None:
+            return held
+        return self._probes.peek(key)
 
     def submit(self, job: TierJob) -> JobResult | None:
         """Send a put or get job to the store.

@@ -104,6 +104,7 @@ class TieringManager:
             self._tiers.append(_Tier(i, driver, make_admission(i)))
         self._loading = loading or LoadDecider(LoadMode.OFF)
         self._scans = self._loading.open_scans  # read-only, live: tested per host hit
+        self._declined = self._loading.host_declined  # read-only, live: tested per host hit
         self._host_hits = 0  # up to the last step end (this step's: _hits_this_step)
         self._host_misses = 0
         self._requests: dict[ReqContext, _Request] = {}
@@ -126,7 +127,8 @@ class TieringManager:
     def lookup(self, key: OffloadKey, ctx: ReqContext) -> LookupResult:
         """``HIT`` readable in host memory; ``HIT_PENDING`` being written or promoted (a
         secondary hit starts its promotion here); ``RETRY`` some tier's answer is pending;
-        ``MISS`` nowhere, or the host tier has no room to promote into."""
+        ``MISS`` nowhere, the host tier has no room to promote into, or the request's plan
+        recomputes it."""
         if not self._polled:
             self._poll()
         try:
@@ -136,6 +138,8 @@ class TieringManager:
         if slot is not None:
             if self._scans:  # a request's scan is open (load decisions): note the key
                 self._loading.note_host(key, ctx)
+            if self._declined and key in self._declined.get(ctx, ()):
+                return _MISS  # its plan recomputes this chunk (cheaper than a load's step)
             if self._refs[slot] < 0:
                 self._host_misses += 1
                 return _PENDING
@@ -145,6 +149,15 @@ class TieringManager:
             return _HIT
         self._host_misses += 1
         return self._lookup_tiers(key, ctx) if self._tiers else _MISS
+
+    def plan_ahead(self, runs: Sequence[Sequence[OffloadKey]], ctx: ReqContext) -> None:
+        """The scheduler is about to look up ``runs`` for ``ctx`` (one run of keys per KV
+        group, in prefix order): decide load or recompute now where every answer is known,
+        so its lookups answer as decided and the request waits no step for a plan
+        (``Promotions.plan_ahead``)."""
+        if not self._polled:
+            self._poll()
+        self._promotions.plan_ahead(runs, ctx, self.slot_bytes)
 
     def load_source(self, key: OffloadKey, ctx: ReqContext) -> TierIdentity | None:
         """The secondary tier whose promotion brought ``key`` into host memory for ``ctx``
@@ -261,7 +274,9 @@ class TieringManager:
     def on_new_request(self, ctx: ReqContext) -> OffloadPolicy:
         """First sight of a request: ``REQUEST_LEVEL`` when some tier wants every chunk of it,
         else ``CHUNK_LEVEL``."""
-        every = tuple(t for t in self._tiers if t.driver.wants_every_chunk(ctx))
+        every = (
+            tuple(t for t in self._tiers if t.driver.wants_every_chunk(ctx)) if self._tiers else ()
+        )
         self._requests[ctx] = _Request(ctx, every_chunk_tiers=every)
         return OffloadPolicy.REQUEST_LEVEL if every else OffloadPolicy.CHUNK_LEVEL
 
@@ -276,7 +291,7 @@ class TieringManager:
         if not request.finished or request.pending_stores > 0 or request.parked:
             return
         ctx = request.ctx
-        if self._promotions.waiting(ctx):
+        if self._tiers and self._promotions.waiting(ctx):
             return  # its promotions go out at step end; then tiers hear "finished"
         del self._requests[ctx]
         self._promotions.forget(ctx)
@@ -295,6 +310,8 @@ class TieringManager:
             self._promotions.plan(self.slot_bytes)
         self._host_hits += len(self._hits_this_step)
         self._hits_this_step.clear()
+        if not self._tiers:  # nothing to send, park or wait for: requests finalize at once
+            return
         self._promotions.send()
         for request in list(self._requests.values()):
             if request.parked:
@@ -410,6 +427,12 @@ class TieringManager:
     def observe_prefill(self, tokens: int, seconds: float) -> None:
         """The host engine computed ``tokens`` tokens in ``seconds`` (one step)."""
         self._loading.observe_prefill(tokens, seconds)
+
+    def observe_load_wait(self, ctx: ReqContext, seconds: float, *, promoted: bool) -> None:
+        """``ctx`` waited ``seconds`` from its lookup until it was scheduled to compute, its
+        prefix loaded from host memory alone or ``promoted`` from a secondary tier: what
+        load decisions count a load's engine steps as (``LoadWaits``)."""
+        self._loading.observe_wait(ctx, seconds, promoted=promoted)
 
     def get_cost(self, index: int) -> TierCost:
         """Secondary tier ``index``'s fitted cost of gets (live: load decisions read it; an

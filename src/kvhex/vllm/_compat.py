@@ -146,6 +146,33 @@ def quiet_events_tracker(scheduler: Any) -> None:
         scheduler._events_tracker = OffloadingEventsTracker(config, dict(old._group_specs))
 
 
+def lookup_runs(
+    scheduler: Any, request: Any, num_computed_tokens: int
+) -> tuple[vbase.ReqContext, list[list[Any]]] | None:
+    """The offload keys vLLM's connector scheduler is about to look up for ``request``
+    beyond ``num_computed_tokens``, with the request's ``ReqContext``: one run per KV group,
+    in the order its ``_maximal_prefix_lookup`` asks them (it stops each run at the first
+    miss); ``None`` where it would not look up now (transfers in flight, prefix cache
+    skipped) or looks up otherwise (a sliding-window group is scanned from the end).
+
+    Both versions keep each request's state in ``_req_status`` (a ``RequestOffloadState``),
+    whose ``update_offload_keys`` appends the keys of newly hashed chunks (idempotent: the
+    lookup calls it again) to each group state's ``offload_keys``; the lookup of group ``g``
+    starts at chunk ``num_computed_tokens // tokens_per_chunk``.
+    """
+    status = scheduler._req_status.get(request.request_id)
+    if status is None or status.transfer_jobs or request.skip_reading_prefix_cache:
+        return None
+    configs = status.config.kv_group_configs
+    if any(g.sliding_window_size_in_chunks is not None for g in configs):
+        return None
+    status.update_offload_keys()
+    return status.req_context, [
+        state.offload_keys[num_computed_tokens // g.tokens_per_chunk :]
+        for g, state in zip(configs, status.group_states, strict=True)
+    ]
+
+
 _HASH_SCHEMES: Final = {(0, 32): 1, (0, 33): 1}
 HASH_SCHEME: Final = f"vllm-{_HASH_SCHEMES[VLLM_VERSION]}"
 """kvhex's name for what the installed vLLM puts into a block hash; part of every namespace.

@@ -2,12 +2,19 @@
 
 vLLM's ``OffloadingManager`` API hands a manager only a ``ReqContext`` (request id, transfer
 params), never the ``Request``; vLLM's own events tracker therefore snapshots payloads in the
-scheduler. This connector is vLLM's ``OffloadingConnector`` plus three hooks, used only when the
+scheduler. This connector is vLLM's ``OffloadingConnector`` plus these hooks, used only when the
 spec's manager is kvhex's:
 
 * ``on_new_request``: kvhex's context of the request gets the live ``Request`` (references
   to its tokens and hashes, never copies), so every store, cascade and promotion job the
   request starts carries its provenance, however late the job completes;
+* ``get_num_new_matched_tokens``: with load-or-recompute decisions on, the request's matched
+  prefix is planned before vLLM looks it up, wherever host memory and the tiers know their
+  answers now (``TieringManager.plan_ahead``): its lookups then answer as decided, a
+  promotion or a miss, and the request never waits a step for a plan. A request that will
+  load waits from this lookup until ``build_connector_meta`` sees it scheduled to compute:
+  that wait (from host memory, or with a promotion) is what decisions count a load's engine
+  steps as (``LoadWaits``);
 * ``build_connector_meta``: a step that schedules nothing while kvhex's tiers have jobs in
   flight (a request waits for its promotion) sleeps ``IDLE_STEP_WAIT_S``: vLLM would step
   again at once, in a loop that holds the GIL, and the tiers' IO threads would get it only
@@ -39,7 +46,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import (
 )
 
 from kvhex.domain.geometry import CacheKind, KvGeometry, KvGroup
-from kvhex.vllm._compat import manager_lock, quiet_events_tracker
+from kvhex.vllm._compat import lookup_runs, manager_lock, quiet_events_tracker
+from kvhex.vllm._convert import context_of
 from kvhex.vllm.manager import KvhexOffloadingManager
 
 PREFILL_MIN_TOKENS = 128
@@ -81,6 +89,8 @@ class KvhexOffloadingConnector(OffloadingConnector):
         super().__init__(vllm_config, role, kv_cache_config)
         self._kvhex: KvhexOffloadingManager | None = None
         self._step_began: tuple[float, int] | None = None  # (clock, tokens) of this step
+        # request id -> (clock at its first lookup that found a load, promoted, its context)
+        self._waits: dict[str, tuple[float, bool, Any]] = {}
         scheduler = self.connector_scheduler
         if scheduler is not None and isinstance(scheduler.manager, KvhexOffloadingManager):
             self._kvhex = scheduler.manager
@@ -98,6 +108,7 @@ class KvhexOffloadingConnector(OffloadingConnector):
         if kvhex is None:
             return meta
         self._time_step(kvhex, scheduler_output)
+        self._end_waits(kvhex, scheduler_output)
         if scheduler_output.total_num_scheduled_tokens:
             return meta
         with manager_lock(kvhex):
@@ -119,6 +130,62 @@ class KvhexOffloadingConnector(OffloadingConnector):
         if began is not None and self._kvhex is not None:
             with manager_lock(self._kvhex):
                 self._kvhex.engine.observe_prefill(began[1], time.perf_counter() - began[0])
+
+    def get_num_new_matched_tokens(
+        self, request: Any, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        kvhex = self._kvhex
+        ctx = None
+        if kvhex is not None and not kvhex.promotions_held:
+            found = lookup_runs(self.connector_scheduler, request, num_computed_tokens)
+            if found is not None:
+                ctx = context_of(found[0])[0]
+                with manager_lock(kvhex):
+                    kvhex.engine.plan_ahead(found[1], ctx)
+        began = time.perf_counter()
+        matched: tuple[int | None, bool] = super().get_num_new_matched_tokens(
+            request, num_computed_tokens
+        )
+        if ctx is not None:
+            self._note_wait(request.request_id, ctx, matched[0], began)
+        return matched
+
+    def _note_wait(self, req_id: str, ctx: Any, tokens: int | None, began: float) -> None:
+        """A lookup that found a prefix to load (``tokens`` > 0) or deferred (``None``: a
+        promotion or a probe under way) starts the request's wait, ended when the request is
+        scheduled to compute (``build_connector_meta``); one that found nothing ends it."""
+        known = self._waits.get(req_id)
+        if tokens == 0:
+            if known is not None:
+                del self._waits[req_id]
+        elif known is None:
+            self._waits[req_id] = (began, tokens is None, ctx)
+        elif tokens is None and not known[1]:
+            self._waits[req_id] = (known[0], True, ctx)
+
+    def _end_waits(self, kvhex: KvhexOffloadingManager, scheduler_output: Any) -> None:
+        """Requests scheduled to compute for the first time: a load's wait ends."""
+        waits = self._waits
+        if not waits:
+            return
+        now = time.perf_counter()
+        for new in scheduler_output.scheduled_new_reqs:
+            wait = waits.pop(new.req_id, None)
+            if wait is not None:
+                with manager_lock(kvhex):
+                    kvhex.engine.observe_load_wait(wait[2], now - wait[0], promoted=wait[1])
+
+    def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, Any]:
+        self._waits.pop(request.request_id, None)
+        finished: tuple[bool, Any] = super().request_finished(request, block_ids)
+        return finished
+
+    def request_finished_all_groups(
+        self, request: Any, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, Any]:
+        self._waits.pop(request.request_id, None)
+        finished: tuple[bool, Any] = super().request_finished_all_groups(request, block_ids)
+        return finished
 
     def on_new_request(self, request: Any) -> None:
         if self._kvhex is None:

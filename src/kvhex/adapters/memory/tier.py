@@ -45,6 +45,8 @@ class MemoryTierStore:
         get_delay_s: a get (a read) is reported no earlier than this many seconds after
             its submission: a slow or throttled store whose index answers at once (probes
             and puts are not delayed), for benchmarks and tests; ``drain`` waits it out.
+        indexed: lookups are answered from the tier's index at once (``held_now``), as for
+            a store whose index is the truth; off (the default), they wait for a probe.
     """
 
     def __init__(
@@ -57,6 +59,7 @@ class MemoryTierStore:
         locality: Locality | None = Locality.LOCAL,
         complete_after_polls: int = 1,
         get_delay_s: float = 0.0,
+        indexed: bool = False,
     ) -> None:
         if complete_after_polls < 1:
             raise ValueError(f"complete_after_polls must be >= 1, got {complete_after_polls}")
@@ -64,7 +67,10 @@ class MemoryTierStore:
             raise ValueError(
                 f"get_delay_s must be a finite number of seconds >= 0, got {get_delay_s!r}"
             )
+        if not isinstance(indexed, bool):
+            raise ValueError(f"indexed must be true or false, got {indexed!r}")
         self.get_delay_s = float(get_delay_s)
+        self.indexed = indexed
         self._host = host
         self.capacity_bytes = capacity_bytes
         self._identity = TierIdentity(medium, locality, name)
@@ -106,6 +112,10 @@ class MemoryTierStore:
     def identity(self) -> TierIdentity:
         """Medium, locality and ownership announced in events."""
         return self._identity
+
+    def held_now(self, key: OffloadKey) -> bool | None:
+        """With ``indexed``: whether ``key`` is readable now (``Indexed``); else ``None``."""
+        return key in self._blocks if self.indexed else None
 
     def submit_put(self, job: TierJob) -> None:
         """Reserve room (evicting and announcing now) and queue the copy."""

@@ -236,6 +236,14 @@ class BlockTierStore:
         items = [(k, s) for k, s in zip(job.keys, job.slots, strict=True) if self._readable_now(k)]
         self._gets[self._pool.submit(self._do_get, items)] = _Job(job, snapshot)
 
+    def held_now(self, key: OffloadKey) -> bool | None:
+        """On storage of its own (``Indexed``: the index, which adopted what was found at
+        start-up, is the truth): whether a get submitted now would find ``key``. On shared
+        storage, where other instances write, ``None``: a probe asks the storage."""
+        if not self._exclusive:
+            return None
+        return key in self._index and key not in self._leaving
+
     def submit_probe(self, job: TierJob) -> None:
         """Which keys exist: the index answers for this instance's blocks (where it is the
         truth), the storage for the rest."""

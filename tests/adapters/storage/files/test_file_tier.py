@@ -21,6 +21,7 @@ from kvhex.adapters.storage.format import HEADER_AREA, namespace_digest
 from kvhex.adapters.storage.fsspec import FsspecTierStore
 from kvhex.domain import JobId, JobKind, Removed, Stored, TierJob
 from kvhex.errors import TierUnavailable
+from kvhex.ports import Indexed
 from tests.adapters.jobs import key, run
 
 SLOT = 4096
@@ -151,6 +152,31 @@ def test_capacity_evicts_least_recent_and_announces_first(
     assert where in {store.location(key(4)), store.location(key(5))}  # its slot reused
     assert store.keys() == [key(3), key(4), key(5)]
     store.close()
+
+
+def test_its_own_index_answers_lookups_at_once_and_truly(
+    tmp_path: Path, host: MemoryHostBuffer
+) -> None:
+    """The file tier owns its root: ``held_now`` answers from the index, never ahead of a put,
+    and after a restart for the blocks it adopted."""
+    store = FsspecTierStore(
+        host, str(tmp_path), capacity_bytes=2 * (HEADER_AREA + SLOT), namespace=NS
+    )
+    assert isinstance(store, Indexed)
+    assert store.held_now(key(1)) is False
+    fill(host, range(3), 0)
+    job = TierJob(JobId(900), JobKind.PUT, (key(1),), (0,))
+    store.submit_put(job)
+    assert store.held_now(key(1)) is False  # being written: a get might not find it
+    store.drain()
+    assert [r.job_id for r in store.poll()] == [JobId(900)]
+    assert store.held_now(key(1)) is True
+    assert run(store, JobKind.PUT, [2, 3], [1, 2]).success  # evicts 1
+    assert (store.held_now(key(1)), store.held_now(key(3))) == (False, True)
+    store.close()
+    again = FsspecTierStore(host, str(tmp_path), capacity_bytes=1 << 20, namespace=NS)
+    assert [again.held_now(key(i)) for i in (1, 2, 3)] == [False, True, True]
+    again.close()
 
 
 def test_restart_adopts_the_blocks_and_announces_them_once(
