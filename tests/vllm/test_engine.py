@@ -432,7 +432,10 @@ def test_the_ttft_bench_reports_each_tier_loaded_recomputed_and_decided() -> Non
         assert row["ratio"] > 0
         assert row["kvhex"] == row["ttft_decided_s"]
         assert row["baseline"] == min(row["ttft_load_s"], row["ttft_recompute_s"])
-    assert rows[0]["decision"] == "load"  # host memory is always loaded
+    # host memory: loaded, or recomputed where a load's measured step costs more than the
+    # 256-token prefill (the quick model's prefill is fast); which depends on the machine
+    assert rows[0]["decision"] in {"load", "recompute"}
+    assert all(row["ratio_low"] is not None for row in rows)  # several passes: intervals
     # the slow tier's reads take 10x the recompute (--quick): loading loses, kvhex recomputes
     assert rows[2]["ttft_load_s"] > rows[2]["ttft_recompute_s"]
     assert rows[2]["decision"] == "recompute"

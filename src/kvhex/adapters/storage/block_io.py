@@ -171,6 +171,18 @@ class RecordReading(Protocol):
 
 
 @runtime_checkable
+class PeerPresence(Protocol):
+    """Optional for an ``exclusive`` :class:`BlockIo` whose storage other instances may
+    share (local slabs on one root): whether any other instance's blocks may be there, so
+    the tier knows when its own index alone answers lookups."""
+
+    def others_present(self) -> bool:
+        """True when the storage holds another instance's blocks (as far as a directory
+        listing tells, without reading them). Runs on an IO thread."""
+        ...
+
+
+@runtime_checkable
 class PeerListing(Protocol):
     """Optional: a :class:`BlockIo` on storage other instances share that can say which
     blocks they hold (a tier's peer view)."""

@@ -44,6 +44,7 @@ from kvhex.adapters.storage.block_io import (
     Located,
     Locating,
     PeerListing,
+    PeerPresence,
     RecordReading,
     Relisting,
     StoreLost,
@@ -130,6 +131,13 @@ class BlockTierStore:
             io.close()
             raise
         self._exclusive = io.exclusive
+        # an exclusive storage another instance may share (slabs on one root): its index
+        # answers a miss only while no other instance's slab was seen there (looked at
+        # start-up, then by an IO thread every ALONE_CHECK_S)
+        self._presence = io if isinstance(io, PeerPresence) and io.exclusive else None
+        self._alone = False
+        self._alone_task: IoTask[bool] | None = None
+        self._alone_checked = time.monotonic()
         self._events: list[TierEvent] = []  # the tier's own, before the residency's
         # jobs in flight, by kind (each task's outcome typed); finished tasks queue themselves
         # in the pool, so poll costs what finished, not what is in flight
@@ -160,6 +168,8 @@ class BlockTierStore:
                     io, self._peer_identity, peer_scan_interval_s, self._pool, tier=self._name
                 )
             inventory = io.inventory()
+            if self._presence is not None:
+                self._alone = not self._presence.others_present()
             self.foreign_files = inventory.foreign
             over = self._index.adopt(inventory.blocks)
             if self._exclusive:
@@ -237,12 +247,16 @@ class BlockTierStore:
         self._gets[self._pool.submit(self._do_get, items)] = _Job(job, snapshot)
 
     def held_now(self, key: OffloadKey) -> bool | None:
-        """On storage of its own (``Indexed``: the index, which adopted what was found at
-        start-up, is the truth): whether a get submitted now would find ``key``. On shared
-        storage, where other instances write, ``None``: a probe asks the storage."""
+        """``Indexed``: on storage whose blocks only this instance removes, a key its index
+        holds (it adopted what was found at start-up) is found by a get submitted now; a
+        key it lacks is missing while no other instance's blocks were seen on the storage.
+        ``None`` otherwise: a probe asks the storage (shared object stores, a root another
+        instance also writes)."""
         if not self._exclusive:
             return None
-        return key in self._index and key not in self._leaving
+        if key in self._index and key not in self._leaving:
+            return True
+        return False if self._alone else None
 
     def submit_probe(self, job: TierJob) -> None:
         """Which keys exist: the index answers for this instance's blocks (where it is the
@@ -270,6 +284,10 @@ class BlockTierStore:
         peers = self._peers
         while finished:
             task = finished.popleft()
+            if task is self._alone_task:
+                self._alone = task.error is None and not task.value
+                self._alone_task = None
+                continue
             adoption = self._adoption
             if adoption is not None and task is adoption.task:
                 if not self._closed:  # else never announced, as its removals were not
@@ -297,6 +315,11 @@ class BlockTierStore:
                 results.append(self._apply_probe(entry, task))
         if peers is not None and not self._closed:
             peers.tick(time.monotonic())
+        if self._presence is not None and self._alone_task is None and not self._closed:
+            now = time.monotonic()
+            if now - self._alone_checked >= ALONE_CHECK_S:
+                self._alone_checked = now
+                self._alone_task = self._pool.submit(self._presence.others_present)
         if self._relisting is not None and not self._closed:
             for listed in self._relisting.take_listings():  # the namespace record went alone
                 self.drop_lost([k for k in self.keys() if k not in listed])
@@ -592,6 +615,11 @@ class BlockTierStore:
 
     def _do_probe(self, known: _ProbeOutcome, asked: list[OffloadKey]) -> _ProbeOutcome:
         return known | frozenset(self._io.exists_many(asked)) if asked else known
+
+
+ALONE_CHECK_S = 1.0
+"""How often a file tier looks for another instance's slabs on its root (a directory listing
+on an IO thread); until it sees one, its own index answers lookups' misses."""
 
 
 def _describe(exc: BaseException) -> str:

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from kvhex.adapters.memory import MemoryHostBuffer
+from kvhex.adapters.storage import tier as tier_module
 from kvhex.adapters.storage.files._index import read_table, table_bytes
 from kvhex.adapters.storage.format import HEADER_AREA, namespace_digest
 from kvhex.adapters.storage.fsspec import FsspecTierStore
@@ -155,7 +156,7 @@ def test_capacity_evicts_least_recent_and_announces_first(
 
 
 def test_its_own_index_answers_lookups_at_once_and_truly(
-    tmp_path: Path, host: MemoryHostBuffer
+    tmp_path: Path, host: MemoryHostBuffer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The file tier owns its root: ``held_now`` answers from the index, never ahead of a put,
     and after a restart for the blocks it adopted."""
@@ -176,6 +177,19 @@ def test_its_own_index_answers_lookups_at_once_and_truly(
     store.close()
     again = FsspecTierStore(host, str(tmp_path), capacity_bytes=1 << 20, namespace=NS)
     assert [again.held_now(key(i)) for i in (1, 2, 3)] == [False, True, True]
+    # another instance starts on the same root: what this index lacks may be there
+    monkeypatch.setattr(tier_module, "ALONE_CHECK_S", 0.0)
+    other = FsspecTierStore(host, str(tmp_path), capacity_bytes=1 << 20, namespace=NS)
+    assert other.held_now(key(9)) is None  # it sees the first one's slab at start-up
+    assert run(other, JobKind.PUT, [9], [0]).success
+    deadline = time.monotonic() + 10
+    while again.held_now(key(1)) is not None:
+        assert time.monotonic() < deadline, "the other instance's slab was never seen"
+        again.poll()
+        time.sleep(0.01)
+    assert again.held_now(key(2)) is True
+    assert run(again, JobKind.PROBE, [9]).found == frozenset({key(9)})  # a probe finds it
+    other.close()
     again.close()
 
 

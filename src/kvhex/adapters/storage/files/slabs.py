@@ -466,6 +466,20 @@ class SlabIo:
             self._unpublish(places)
             self._free([place for _, place in places])
 
+    def others_present(self) -> bool:
+        """Whether the slab directory holds a slab this instance does not own (another
+        instance's, live or died since this one started: its blocks are found by probes)."""
+        try:
+            names = os.listdir(self.slab_dir)
+        except OSError:
+            return True  # cannot tell: lookups keep probing
+        own = self._slabs
+        for entry in names:
+            stem, _, ext = entry.partition(".")
+            if ext == "slab" and is_slab_id(stem) and stem not in own:
+                return True
+        return False
+
     def exists_many(self, keys: Sequence[OffloadKey]) -> set[OffloadKey]:
         """Keys held here or by another instance on this root."""
         with self._lock:
