@@ -172,7 +172,7 @@ class LoadWaits:
     _promote: list[float] = attrs.field(factory=list, init=False)
 
     def observe(self, seconds: float, *, promoted: bool, planned_get_s: float = 0.0) -> None:
-        """A request waited ``seconds`` from its lookup until it was scheduled to compute;
+        """A request waited ``seconds`` from its lookup until its load was done;
         ``promoted``: part of its prefix came from a secondary tier, whose gets were
         planned to take ``planned_get_s``."""
         if not (seconds >= 0 and math.isfinite(seconds)):

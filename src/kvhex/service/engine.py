@@ -182,9 +182,9 @@ class OffloadEngine:
         self._manager.observe_prefill(tokens, seconds)
 
     def observe_load_wait(self, ctx: ReqContext, seconds: float, *, promoted: bool) -> None:
-        """The host engine scheduled ``ctx`` to compute ``seconds`` after its lookup, its
-        prefix loaded from host memory alone or ``promoted`` from a secondary tier: a load's
-        cost in engine steps, which load decisions weigh against recomputing."""
+        """``ctx``'s load was done ``seconds`` after its lookup, its prefix loaded from host
+        memory alone or ``promoted`` from a secondary tier: a load's cost in engine steps,
+        which load decisions weigh against recomputing."""
         self._manager.observe_load_wait(ctx, seconds, promoted=promoted)
 
     def set_load_mode(self, mode: LoadMode) -> None:

@@ -173,6 +173,10 @@ class LoadDecider:
         self._scans.clear()
         return promotions
 
+    def has_decided(self, ctx: ReqContext) -> bool:
+        """Whether a plan was made for ``ctx`` (its decisions stand until it finishes)."""
+        return ctx in self._decided
+
     def decide_now(
         self,
         ctx: ReqContext,
@@ -219,7 +223,7 @@ class LoadDecider:
         return loads
 
     def observe_wait(self, ctx: ReqContext, seconds: float, *, promoted: bool) -> None:
-        """``ctx`` waited ``seconds`` from its lookup until it was scheduled to compute, its
+        """``ctx`` waited ``seconds`` from its lookup until its load was done, its
         load from host memory alone or ``promoted`` from a secondary tier (the gets its plan
         expected are taken out)."""
         planned = self._planned_get_s.pop(ctx, 0.0)
@@ -296,4 +300,6 @@ class LoadDecider:
 
     def snapshot(self) -> LoadStats:
         """A copy of the counters."""
-        return attrs.evolve(self.stats)
+        return attrs.evolve(
+            self.stats, wait_host_s=self.waits.host_s, wait_promote_s=self.waits.promote_s
+        )

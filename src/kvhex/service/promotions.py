@@ -108,8 +108,8 @@ class Promotions:
         prefix order (a run ends at its first miss). Nothing when decisions are off, a tier
         must still be probed, or no secondary tier holds a key: the lookups then go as
         before (a plan at step end)."""
-        if not self._loading.active:
-            return
+        if not self._loading.active or self._loading.has_decided(ctx):
+            return  # its decisions stand (a request waiting for its promotion asks again)
         allows = ctx.tier_filter.allows
         slot_of = self._primary.slot_of
         keys: list[OffloadKey] = []

@@ -127,6 +127,10 @@ class LoadStats:
     """The latest plan's estimated load seconds."""
     last_recompute_s: float = 0.0
     """The latest plan's estimated recompute seconds for the same chunks."""
+    wait_host_s: float = 0.0
+    """What a load from host memory costs a request in engine steps (``LoadWaits``)."""
+    wait_promote_s: float = 0.0
+    """What a promoting load costs a request beyond its gets (``LoadWaits``)."""
 
 
 @attrs.frozen

@@ -429,7 +429,7 @@ class TieringManager:
         self._loading.observe_prefill(tokens, seconds)
 
     def observe_load_wait(self, ctx: ReqContext, seconds: float, *, promoted: bool) -> None:
-        """``ctx`` waited ``seconds`` from its lookup until it was scheduled to compute, its
+        """``ctx`` waited ``seconds`` from its lookup until its load was done, its
         prefix loaded from host memory alone or ``promoted`` from a secondary tier: what
         load decisions count a load's engine steps as (``LoadWaits``)."""
         self._loading.observe_wait(ctx, seconds, promoted=promoted)

@@ -12,7 +12,8 @@ spec's manager is kvhex's:
   prefix is planned before vLLM looks it up, wherever host memory and the tiers know their
   answers now (``TieringManager.plan_ahead``): its lookups then answer as decided, a
   promotion or a miss, and the request never waits a step for a plan. A request that will
-  load waits from this lookup until ``build_connector_meta`` sees it scheduled to compute:
+  load waits from this lookup until the workers report its load finished
+  (``update_connector_output``; or ``build_connector_meta`` sees it scheduled to compute):
   that wait (from host memory, or with a promotion) is what decisions count a load's engine
   steps as (``LoadWaits``);
 * ``build_connector_meta``: a step that schedules nothing while kvhex's tiers have jobs in
@@ -108,7 +109,8 @@ class KvhexOffloadingConnector(OffloadingConnector):
         if kvhex is None:
             return meta
         self._time_step(kvhex, scheduler_output)
-        self._end_waits(kvhex, scheduler_output)
+        if self._waits:  # a load that reported no finish (a synchronous one) ends here
+            self._end_waits(kvhex, (new.req_id for new in scheduler_output.scheduled_new_reqs))
         if scheduler_output.total_num_scheduled_tokens:
             return meta
         with manager_lock(kvhex):
@@ -127,9 +129,16 @@ class KvhexOffloadingConnector(OffloadingConnector):
     def update_connector_output(self, connector_output: Any) -> None:
         super().update_connector_output(connector_output)
         began, self._step_began = self._step_began, None
-        if began is not None and self._kvhex is not None:
+        if self._kvhex is None:
+            return
+        if began is not None:
             with manager_lock(self._kvhex):
                 self._kvhex.engine.observe_prefill(began[1], time.perf_counter() - began[0])
+        if self._waits and connector_output.finished_recving:
+            # the device holds the prefix: the request computes in the next step, as a
+            # recomputed one would have in the step of its lookup (time it then spends
+            # queued behind other requests is not the load's)
+            self._end_waits(self._kvhex, connector_output.finished_recving)
 
     def get_num_new_matched_tokens(
         self, request: Any, num_computed_tokens: int
@@ -153,7 +162,7 @@ class KvhexOffloadingConnector(OffloadingConnector):
     def _note_wait(self, req_id: str, ctx: Any, tokens: int | None, began: float) -> None:
         """A lookup that found a prefix to load (``tokens`` > 0) or deferred (``None``: a
         promotion or a probe under way) starts the request's wait, ended when the request is
-        scheduled to compute (``build_connector_meta``); one that found nothing ends it."""
+        done (``update_connector_output``); one that found nothing ends it."""
         known = self._waits.get(req_id)
         if tokens == 0:
             if known is not None:
@@ -163,14 +172,15 @@ class KvhexOffloadingConnector(OffloadingConnector):
         elif tokens is None and not known[1]:
             self._waits[req_id] = (known[0], True, ctx)
 
-    def _end_waits(self, kvhex: KvhexOffloadingManager, scheduler_output: Any) -> None:
-        """Requests scheduled to compute for the first time: a load's wait ends."""
+    def _end_waits(self, kvhex: KvhexOffloadingManager, req_ids: Iterable[str]) -> None:
+        """The loads of ``req_ids`` finished (or the requests were scheduled to compute):
+        their waits end."""
         waits = self._waits
         if not waits:
             return
         now = time.perf_counter()
-        for new in scheduler_output.scheduled_new_reqs:
-            wait = waits.pop(new.req_id, None)
+        for req_id in req_ids:
+            wait = waits.pop(req_id, None)
             if wait is not None:
                 with manager_lock(kvhex):
                     kvhex.engine.observe_load_wait(wait[2], now - wait[0], promoted=wait[1])

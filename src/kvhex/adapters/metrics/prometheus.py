@@ -187,6 +187,14 @@ METRICS: tuple[tuple[str, str, tuple[str, ...], str], ...] = (
         "The engine's prefill speed load decisions use (measured or configured).",
     ),
     (
+        "kvhex_load_wait_seconds",
+        "gauge",
+        ("source",),
+        "What a load costs a request in engine steps, as load decisions count it: from host "
+        "memory (host), and beyond its gets with a promotion (promotion); medians of recent "
+        "loads.",
+    ),
+    (
         "kvhex_events_published",
         "counter",
         ("type", "medium"),
@@ -288,6 +296,8 @@ class PrometheusCollector(Collector):
         add("kvhex_load_chunks", ["recompute"], loading.chunks_recomputed)
         if stats.prefill_tokens_per_s is not None:
             add("kvhex_prefill_tokens_per_second", [], stats.prefill_tokens_per_s)
+        add("kvhex_load_wait_seconds", ["host"], loading.wait_host_s)
+        add("kvhex_load_wait_seconds", ["promotion"], loading.wait_promote_s)
         events = stats.events
         for (kind, medium), count in sorted(events.published.items()):
             add("kvhex_events_published", [kind, medium], count)
