@@ -103,6 +103,7 @@ class Announcer:
         "_live",
         "_publish_as",
         "_sharing",
+        "_solo",
         "_waiting",
     )
 
@@ -115,6 +116,7 @@ class Announcer:
         self._held: dict[TierIdentity, dict[OffloadKey, _Held]] = {}  # per tier: waiting keys
         self._device: list[_Held] = []  # keys waiting this step whose parent is the device's
         self._sharing: dict[TierIdentity, set[TierIdentity]] = {}  # public -> tiers seen
+        self._solo: set[TierIdentity] = set()  # tiers seen alone under their public identity
         for tier, public in self._publish_as.items():
             self._sharing.setdefault(public, set()).add(tier)
 
@@ -158,6 +160,14 @@ class Announcer:
     # -- stores --------------------------------------------------------------------------
     def _stored(self, event: Stored, out: list[TierEvent]) -> None:
         tier, ctx = event.tier, event.ctx
+        if (
+            not self._waiting  # then no key is held either
+            and tier in self._solo
+            and not event.records
+            and (ctx is None or ctx.provenance is None)
+        ):  # placeholders of a tier announced alone, nothing waiting: each new key goes
+            self._placeholders(event, out)
+            return
         mine = self._announced.get(tier, ())
         held = self._held.get(tier, {})
         keys = [k for k in dict.fromkeys(event.keys) if k not in mine and k not in held]
@@ -171,7 +181,13 @@ class Announcer:
             for k, r in records.items():
                 parents[k] = False if r is None else record_parent(r)
         else:  # where each key lies in its request (the translator describes it there)
+            if ctx is None or ctx.provenance is None:  # nothing known of any key: all go
+                self._emit(_Run(tier, keys, ctx, [None] * len(keys)), out)
+                return
             found = spans(ctx, keys)
+            if not any(found):  # no key found in its request: all go, in order
+                self._emit(_Run(tier, keys, ctx, [None] * len(keys)), out)
+                return
             if ctx is not None and _one_chain(found):  # the common case: a job's chunks
                 head = span_parent(ctx, keys[0], found[0])  # type: ignore[arg-type]
                 if head is None or head in self._live:
@@ -215,6 +231,21 @@ class Announcer:
         if going:
             self._emit(_Run(tier, going, ctx, [records[k] for k in going]), out)
 
+    def _placeholders(self, event: Stored, out: list[TierEvent]) -> None:
+        """``_emit`` of the keys of ``event`` its tier did not announce yet, in order, for
+        the common case ``_stored`` tests: nothing waits, nothing is known of the keys, and
+        no other tier is announced as this one's public identity."""
+        tier = event.tier
+        mine = self._announced.setdefault(tier, set())
+        keys = [key for key in dict.fromkeys(event.keys) if key not in mine]
+        if not keys:
+            return
+        mine.update(keys)
+        live = self._live
+        for key in keys:
+            live[key] = live.get(key, 0) + 1
+        out.append(Stored(tuple(keys), self._publish_as.get(tier, tier), event.ctx))
+
     def _emit(self, first: _Run, out: list[TierEvent]) -> None:
         """Announce ``first``, then every key that waited for a key announced meanwhile."""
         work = deque(((first, False),))
@@ -239,14 +270,18 @@ class Announcer:
             else:  # the only tier announced so: a key it did not announce is new
                 mine.update(run.keys)
                 new, records = run.keys, run.records
-            for key in new:
-                before = live.get(key, 0)
-                live[key] = before + 1
-                if not before and key in waiting:
-                    while (waiters := waiting.get(key)) is not None:
-                        held = waiters[0]
-                        self._unhold(held)
-                        work.append((self._chain_from(held), True))
+            if not waiting:  # no key waits for a parent: count the residencies alone
+                for key in new:
+                    live[key] = live.get(key, 0) + 1
+            else:
+                for key in new:
+                    before = live.get(key, 0)
+                    live[key] = before + 1
+                    if not before and key in waiting:
+                        while (waiters := waiting.get(key)) is not None:
+                            held = waiters[0]
+                            self._unhold(held)
+                            work.append((self._chain_from(held), True))
             if not new:
                 continue
             last = out[-1] if out and released else None
@@ -270,7 +305,11 @@ class Announcer:
                 # shared from now on: count what the first tier announced alone so far
                 (first,) = tiers - {tier}
                 self._holders[public] = dict.fromkeys(self._announced.get(first, ()), 1)
-        return len(tiers) > 1
+        if len(tiers) > 1:
+            self._solo.difference_update(tiers)
+            return True
+        self._solo.add(tier)
+        return False
 
     def _chain_from(self, first: _Held) -> _Run:
         """``first`` (no longer held) and the keys of its tier and request that waited for it,
@@ -315,9 +354,20 @@ class Announcer:
         public = self._publish_as.get(tier, tier)
         mine = self._announced.get(tier)
         held = self._held.get(tier)
-        holders = self._holders.get(public, {}) if self._shares(public, tier) else None
+        shared = tier not in self._solo and self._shares(public, tier)
+        holders = self._holders.get(public, {}) if shared else None
         live = self._live
-        gone: list[OffloadKey] = []
+        if held is None and holders is None and mine is not None:  # the common case
+            gone = [key for key in dict.fromkeys(keys) if key in mine]
+            mine.difference_update(gone)
+            for key in gone:
+                count = live.pop(key, 1) - 1
+                if count > 0:
+                    live[key] = count
+            if gone:
+                out.append(Removed(tuple(gone), public))
+            return
+        gone = []
         for key in dict.fromkeys(keys):
             if held is not None and (waiting := held.get(key)) is not None:
                 self._unhold(waiting)  # never announced; its children keep waiting for it
@@ -389,4 +439,4 @@ def _chains(
 
 
 def _records(records: list[ChunkRecord | None]) -> tuple[ChunkRecord | None, ...] | None:
-    return tuple(records) if any(r is not None for r in records) else None
+    return tuple(records) if records.count(None) != len(records) else None

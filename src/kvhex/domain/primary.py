@@ -241,51 +241,55 @@ class PrimaryTier:
         self._unpin(keys, "unpin")
 
     def _pin(self, keys: Sequence[OffloadKey], operation: str, times: int = 1) -> list[int]:
+        # one pass, pinning as it goes; a key that cannot be pinned undoes the pass
         index, refs = self._index, self._refs
-        slots = []
+        slots: list[int] = []
+        newly_pinned = []
         for key in keys:
             try:
                 slot = index.get(key)
             except TypeError:
+                self._undo(slots, -times)
                 raise InvalidKeyError(key, "unhashable") from None
-            if slot is None:
-                check_key(key, self._key_length)
-                raise StateError(operation, key, "not stored")
-            if refs[slot] < 0:
+            if slot is None or refs[slot] < 0:
+                self._undo(slots, -times)
+                if slot is None:
+                    check_key(key, self._key_length)
+                    raise StateError(operation, key, "not stored")
                 raise StateError(operation, key, "write pending")
-            slots.append(slot)
-        newly_pinned = []
-        for key, slot in zip(keys, slots, strict=True):
-            if refs[slot] == 0:
+            count = refs[slot]
+            if not count:
                 newly_pinned.append(key)
-            refs[slot] += times
+            refs[slot] = count + times
+            slots.append(slot)
         if newly_pinned:
             self._evictable -= len(newly_pinned)
             self._policy.mark_pinned(newly_pinned)
         return slots
 
     def _unpin(self, keys: Sequence[OffloadKey], operation: str) -> None:
+        # one pass, unpinning as it goes; a key that is not pinned undoes the pass
         index, refs = self._index, self._refs
         slots: list[int] = []
+        freed = []
         for key in keys:
             slot = index.get(key)
             if slot is None or refs[slot] <= 0:
-                for undo in slots:
-                    refs[undo] += 1
+                self._undo(slots, 1)
                 raise StateError(operation, key, "not stored" if slot is None else "not pinned")
-            refs[slot] -= 1
-            slots.append(slot)
-        freed = []
-        for key, slot in zip(keys, slots, strict=True):
-            if refs[slot] == 0:
-                refs[slot] = -2  # marks "already released" when a key is listed twice
+            count = refs[slot] - 1
+            refs[slot] = count
+            if not count:  # a key listed twice is freed at its last listing
                 freed.append(key)
+            slots.append(slot)
         if freed:
-            for slot in slots:
-                if refs[slot] == -2:
-                    refs[slot] = 0
             self._evictable += len(freed)
             self._policy.mark_evictable(freed)
+
+    def _undo(self, slots: list[int], delta: int) -> None:
+        refs = self._refs
+        for slot in slots:
+            refs[slot] += delta
 
     def touch(self, keys: Sequence[OffloadKey], ctx: ReqContext | None = None) -> None:
         """Mark ``keys`` recently used (forwarded to the policy with the exact ``ctx``)."""
@@ -344,9 +348,7 @@ class PrimaryTier:
                 self._unallocated += 1
                 return None
             evicted = victims
-            release = pool.release
-            for victim in victims:
-                release(index.pop(victim))
+            pool.release_all([index.pop(victim) for victim in victims])
             self._evictable -= need
             self._evictions += need
             if self._record_events:

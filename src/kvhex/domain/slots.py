@@ -9,6 +9,8 @@ pages warm.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 
 class SlotPool:
     """Free-slot bookkeeping for ``num_slots`` fixed-size host slots."""
@@ -38,14 +40,19 @@ class SlotPool:
         start = self._next_fresh
         slots = list(range(start, start + fresh))
         self._next_fresh = start + fresh
-        free = self._free
-        for _ in range(n - fresh):
-            slots.append(free.pop())
+        if reused := n - fresh:  # the last freed first
+            free = self._free
+            slots += reversed(free[-reused:])
+            del free[-reused:]
         return slots
 
     def release(self, slot: int) -> None:
         """Return one slot to the free list."""
         self._free.append(slot)
+
+    def release_all(self, slots: Iterable[int]) -> None:
+        """Return ``slots`` to the free list, in order (as ``release`` of each)."""
+        self._free.extend(slots)
 
     def reset(self) -> None:
         """Every slot free again, fresh order restarting at 0."""

@@ -163,10 +163,23 @@ class EventTranslator:
                 keys = self._resident.get(_residency(event.tier))
                 if keys:
                     self._removed(tuple(keys), event.tier, out, maybe_gone)
-        for key in maybe_gone:
-            if key in self._hashes and not any(key in r for r in self._resident.values()):
-                del self._hashes[key]
+        if maybe_gone:
+            self._forget_gone(maybe_gone)
         return out
+
+    def _forget_gone(self, keys: list[OffloadKey]) -> None:
+        """Drop the detached hashes of ``keys`` no residency holds any more."""
+        hashes = self._hashes
+        residencies = list(self._resident.values())
+        if len(residencies) == 1:  # one residency (host memory alone): one test per key
+            (resident,) = residencies
+            for key in keys:
+                if key not in resident:
+                    hashes.pop(key, None)
+            return
+        for key in keys:
+            if key in hashes and not any(key in r for r in residencies):
+                del hashes[key]
 
     def _ext(self, block_hash: bytes) -> ExternalHash:
         if self.int_hashes:

@@ -53,6 +53,8 @@ _unmapped_localities: set[TierIdentity] = set()
 
 def policy_of(policy: OffloadPolicy) -> vbase.RequestOffloadingContext:
     """kvhex offload policy -> vLLM's per-request offloading context."""
+    if policy is OffloadPolicy.CHUNK_LEVEL:  # once per request: no lookup by value
+        return vbase.RequestOffloadingContext(policy=vbase.OffloadPolicy.CHUNK_LEVEL)
     return vbase.RequestOffloadingContext(policy=vbase.OffloadPolicy(policy.value))
 
 
@@ -95,15 +97,22 @@ def provenance_of(request: Any, geometry: KvGeometry) -> Provenance:
     exactly as vLLM's block hasher used them; its blocks are on the GPU, which announces
     them itself."""
     lora = request.lora_request
-    features = tuple(
-        sorted(
-            (
-                MmFeature(str(f.identifier), int(f.mm_position.offset), int(f.mm_position.length))
-                for f in (request.mm_features or ())
-                if f.identifier is not None
-            ),
-            key=lambda f: f.offset,
+    mm_features = request.mm_features
+    features = (
+        tuple(
+            sorted(
+                (
+                    MmFeature(
+                        str(f.identifier), int(f.mm_position.offset), int(f.mm_position.length)
+                    )
+                    for f in mm_features
+                    if f.identifier is not None
+                ),
+                key=lambda f: f.offset,
+            )
         )
+        if mm_features
+        else ()
     )
     digest = None
     if getattr(request, "prompt_embeds", None) is not None:
@@ -166,17 +175,28 @@ def offloading_events(raw: Iterable[kev.TierEvent]) -> list[vbase.OffloadingEven
         if isinstance(event, kev.Cleared):
             continue
         tier = event.tier
+        if (described := _vtiers.get(tier)) is None:
+            described = _vtiers[tier] = (
+                _vmedium(tier),
+                vllm_locality(tier),
+                tier != PRIMARY_IDENTITY,
+            )
+        medium, locality, removal_expected = described
         out.append(
             vbase.OffloadingEvent(
                 keys=list(event.keys),
-                medium=_vmedium(tier),
+                medium=medium,
                 removed=isinstance(event, kev.Removed),
-                locality=vllm_locality(tier),
+                locality=locality,
                 ownership=tier.ownership,
-                removal_expected=tier != PRIMARY_IDENTITY,
+                removal_expected=removal_expected,
             )
         )
     return out
+
+
+_vtiers: dict[TierIdentity, tuple[vbase.Medium, vbase.Locality | None, bool]] = {}
+"""Each announced tier as vLLM's events name it: medium, locality, removal expected."""
 
 
 def vllm_events(events: Iterable[kev.PublicEvent]) -> list[vev.KVCacheEvent]:

@@ -60,6 +60,9 @@ from kvhex.vllm._convert import (
 from kvhex.vllm.metrics import VllmMetrics, cache_hit_source
 
 _HIT, _MISS, _RETRY = LookupResult.HIT, LookupResult.MISS, LookupResult.RETRY
+_VHIT, _VMISS = vbase.LookupResult.HIT, vbase.LookupResult.MISS
+_NO_CONTEXT = ReqContext(req_id="")
+"""The last context asked about before any was: paired with no vLLM context, never used."""
 
 
 class KvhexOffloadingManager(vbase.OffloadingManager):
@@ -111,6 +114,13 @@ class KvhexOffloadingManager(vbase.OffloadingManager):
             tier_names=[t.name for t in engine.stats().tiers],
             store_threshold=store_threshold,
         )
+        # the hot path's bound methods, and the context of the request vLLM asked about
+        # last (it asks about one request's chunks in a row): per lookup, an identity test
+        # instead of a state lookup
+        self._lookup = engine.lookup
+        self._lookup_delay = self._metrics.lookup_delay_recorder()
+        self._last_vctx: vbase.ReqContext | None = None
+        self._last_ctx: ReqContext = _NO_CONTEXT
 
     # -- kvhex-side access ---------------------------------------------------------------
     @property
@@ -156,12 +166,17 @@ class KvhexOffloadingManager(vbase.OffloadingManager):
     # -- OffloadingManager ---------------------------------------------------------------
     def lookup(self, key: OffloadKey, req_context: vbase.ReqContext) -> vbase.LookupResult:
         start = perf_counter()
-        result = self._engine.lookup(key, self._ctx(req_context), promote=not self._promotions_held)
+        ctx = self._last_ctx if req_context is self._last_vctx else self._ctx(req_context)
+        result = self._lookup(key, ctx, promote=not self._promotions_held)
         if result is _HIT or result is _MISS:
-            deferred = self._deferred.get(req_context.req_id)
-            since = deferred.pop(key, None) if deferred else None
-            self._metrics.on_lookup(perf_counter() - start, since)
-        elif result is _RETRY:
+            if self._deferred:  # some key's lookups answered RETRY before
+                deferred = self._deferred.get(req_context.req_id)
+                since = deferred.pop(key, None) if deferred else None
+                if since is not None:
+                    self._metrics.on_lookup_wait(since)
+            self._lookup_delay(perf_counter() - start)
+            return _VHIT if result is _HIT else _VMISS
+        if result is _RETRY:
             self._deferred.setdefault(req_context.req_id, {}).setdefault(key, start)
         return LOOKUP[result]
 
@@ -177,18 +192,18 @@ class KvhexOffloadingManager(vbase.OffloadingManager):
     def prepare_load(
         self, keys: Collection[OffloadKey], req_context: vbase.ReqContext
     ) -> CPULoadStoreSpec:
-        return CPULoadStoreSpec(self._engine.prepare_load(list(keys), self._ctx(req_context)))
+        return CPULoadStoreSpec(self._engine.prepare_load(_seq(keys), self._ctx(req_context)))
 
     def touch(self, keys: Collection[OffloadKey], req_context: vbase.ReqContext) -> None:
-        self._engine.touch(list(keys), self._ctx(req_context))
+        self._engine.touch(_seq(keys), self._ctx(req_context))
 
     def complete_load(self, keys: Collection[OffloadKey], req_context: vbase.ReqContext) -> None:
-        self._engine.complete_load(list(keys), self._ctx(req_context))
+        self._engine.complete_load(_seq(keys), self._ctx(req_context))
 
     def prepare_store(
         self, keys: Collection[OffloadKey], req_context: vbase.ReqContext
     ) -> vbase.PrepareStoreOutput | None:
-        plan = self._engine.prepare_store(list(keys), self._ctx(req_context))
+        plan = self._engine.prepare_store(_seq(keys), self._ctx(req_context))
         if plan is None:
             return None
         return vbase.PrepareStoreOutput(
@@ -203,7 +218,7 @@ class KvhexOffloadingManager(vbase.OffloadingManager):
         req_context: vbase.ReqContext,
         success: bool = True,
     ) -> None:
-        self._engine.complete_store(list(keys), self._ctx(req_context), success)
+        self._engine.complete_store(_seq(keys), self._ctx(req_context), success)
 
     def on_new_request(self, req_context: vbase.ReqContext) -> vbase.RequestOffloadingContext:
         ctx, _ = context_of(req_context)
@@ -219,9 +234,12 @@ class KvhexOffloadingManager(vbase.OffloadingManager):
     def on_request_finished(self, req_context: vbase.ReqContext) -> None:
         self._deferred.pop(req_context.req_id, None)
         self._engine.on_request_finished(self._ctx(req_context))
+        # not kept alive by being the last asked about (its jobs' contexts carry it on)
+        self._last_vctx, self._last_ctx = None, _NO_CONTEXT
 
     def on_schedule_end(self, context: vbase.ScheduleEndContext) -> None:
         self._engine.on_schedule_end()
+        self._metrics.on_step_end()
         if self._held_steps:
             self._held_steps -= 1
             self._promotions_held = self._held_steps > 0
@@ -273,7 +291,17 @@ class KvhexOffloadingManager(vbase.OffloadingManager):
 
     # -- helpers -------------------------------------------------------------------------
     def _ctx(self, vctx: vbase.ReqContext) -> ReqContext:
+        """kvhex's context of ``vctx`` (created on first sight), remembered as the last
+        asked about."""
+        if vctx is self._last_vctx:
+            return self._last_ctx
         ctx: ReqContext | None = vctx.get_state(ReqContext)
         if ctx is None:
             ctx, _ = context_of(vctx)
+        self._last_vctx, self._last_ctx = vctx, ctx
         return ctx
+
+
+def _seq(keys: Collection[OffloadKey]) -> Sequence[OffloadKey]:
+    """``keys`` as a sequence (vLLM passes lists, and each job's keys as a set)."""
+    return keys if type(keys) is list else list(keys)
