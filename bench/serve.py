@@ -28,19 +28,21 @@ where they came from, scraped from ``/metrics`` before and after the point
 (``vllm:prompt_tokens_cached_by_source``: the device prefix cache, kvhex's host memory, its
 file tier (``disk``); the rest was computed), with kvhex's per-tier chunk lookups, hits,
 reads and writes (``vllm:kv_offload_tiering_*``) in the JSON rows. Ratios are against
-``none`` at the same ``U``.
+``none`` at the same ``U``. ``--loading off`` or ``auto`` sets kvhex's load-or-recompute
+mode (``kvhex.loading.mode``) in both kvhex configurations; by default kvhex's own applies.
 
 Two settings keep the comparison fair on vLLM's CPU platform:
 
 * every server runs with ``VLLM_CPU_NUM_OF_RESERVED_CPU=1`` (unless set): vLLM reserves a
   core for its scheduler, and one more whenever a KV connector is configured (meant for
   NIXL's P/D transfers), so kvhex's server would otherwise get one model core less (on 2
-  cores: both cores and no core reserved, where the baseline gets one and one);
+  cores its model would spin on both, none left for the scheduler and the API server, where
+  the baseline's runs on one with one reserved);
 * the model and its KV cache are float32 by default: vLLM's CPU kernels are not batch
   invariant, and in bf16 the baseline's own greedy answers changed between two runs (1-2 of
   8 users diverged), so the equality check would test rounding, not kvhex.
 
-    .venv-vllm32/bin/python bench/serve.py                     # the sweep, about 6 minutes
+    .venv-vllm32/bin/python bench/serve.py                     # the sweep, about 5 minutes
     .venv-vllm32/bin/python bench/serve.py --quick --json --plot /tmp/serve.png
 
 vLLM's own ``vllm bench serve`` datasets (``vllm.benchmarks.datasets``) are single-turn:
@@ -155,6 +157,8 @@ def transfer_config(config: str, chunk_bytes: int, args: argparse.Namespace, roo
         "spec_name": "KvhexOffloadingSpec",
         "cpu_bytes_to_use": args.host_blocks * chunk_bytes,
     }
+    if args.loading:
+        extra["kvhex"] = {"loading": {"mode": args.loading}}
     if config == "host+file":
         extra["secondary_tiers"] = [
             {
@@ -177,35 +181,22 @@ def server(
     """vLLM's OpenAI server on a free loopback port, in a process group of its own (the API
     server and its engine core), stopped on the way out, errors included."""
     port = free_port()
-    command = [
-        sys.executable,
-        "-m",
-        "vllm.entrypoints.openai.api_server",
-        "--model",
-        str(model),
-        "--served-model-name",
-        "serve-bench",
-        "--skip-tokenizer-init",
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--block-size",
-        str(args.block),
-        "--max-model-len",
-        str(args.max_len),
-        "--enforce-eager",
-        "--enable-prefix-caching",
-        "--num-gpu-blocks-override",
-        str(args.device_blocks),
-        "--gpu-memory-utilization",
-        str(args.gpu_memory_utilization),
-        "--seed",
-        "0",
-        "--enable-prompt-tokens-details",
-        "--dtype",
-        args.dtype,
-    ]
+    options = {
+        "--model": model,
+        "--served-model-name": "serve-bench",
+        "--host": "127.0.0.1",
+        "--port": port,
+        "--block-size": args.block,
+        "--max-model-len": args.max_len,
+        "--num-gpu-blocks-override": args.device_blocks,
+        "--gpu-memory-utilization": args.gpu_memory_utilization,
+        "--dtype": args.dtype,
+        "--seed": 0,
+    }
+    command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server"]
+    command += [str(part) for option in options.items() for part in option]
+    command += ["--skip-tokenizer-init", "--enforce-eager", "--enable-prefix-caching"]
+    command += ["--enable-prompt-tokens-details"]
     if transfer is not None:
         command += ["--kv-transfer-config", json.dumps(transfer)]
     # a private vLLM cache: another vLLM version sharing ~/.cache/vllm breaks model inspection
@@ -498,6 +489,11 @@ def working_set_blocks(users: int, args: argparse.Namespace) -> int:
     return system + users * (final - system)
 
 
+def two_and_five(y: float, _: object) -> str:
+    """A log axis' minor label at 2 and 5 times a power of ten only."""
+    return f"{y:g}" if y > 0 and round(y / 10 ** math.floor(math.log10(y))) in (2, 5) else ""
+
+
 def plot(
     path: Path, table: dict[tuple[str, int], dict[str, Any]], args: argparse.Namespace
 ) -> None:
@@ -506,7 +502,7 @@ def plot(
     import matplotlib
 
     matplotlib.use("Agg")
-    from matplotlib import pyplot
+    from matplotlib import pyplot, ticker
 
     figure, axes = pyplot.subplots(1, 3, figsize=(15, 4.6))
     panels = (
@@ -527,11 +523,14 @@ def plot(
         ax.grid(alpha=0.3)
         if key.startswith("ttft"):
             ax.set_yscale("log")
+            ax.yaxis.set_major_formatter(ticker.FuncFormatter(lambda y, _: f"{y:g}"))
+            ax.yaxis.set_minor_formatter(ticker.FuncFormatter(two_and_five))
     axes[0].legend(title="configuration")
     figure.suptitle(
         f"vLLM OpenAI server, multi-turn chat: {args.layers}x{args.hidden} Llama ({args.dtype}), "
         f"device cache {args.device_blocks} blocks of {args.block}, kvhex host "
         f"{args.host_blocks} blocks, {args.turns} turns, think {args.think_s} s"
+        + (f", kvhex loading {args.loading}" if args.loading else "")
     )
     figure.tight_layout()
     figure.savefig(path, dpi=110)
@@ -557,6 +556,11 @@ def main() -> None:
         choices=sorted(DTYPE_BYTES),
         default="float32",
         help="the model's and KV cache's dtype (float32: see the module docstring)",
+    )
+    parser.add_argument(
+        "--loading",
+        choices=("auto", "off"),
+        help="kvhex's load-or-recompute mode (kvhex.loading.mode; default: kvhex's own)",
     )
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.1)
     parser.add_argument("--seed", default="0", help="the token content's seed")
@@ -586,7 +590,8 @@ def main() -> None:
         f"({chunk_bytes >> 10} KiB of KV); device {args.device_blocks} blocks, kvhex host "
         f"{args.host_blocks}, file {args.file_blocks}; U {args.users}, {args.turns} turns of "
         f"{args.new_tokens} new + {args.answer_tokens} answer tokens after a "
-        f"{args.system_tokens}-token system prompt, think {args.think_s} s"
+        f"{args.system_tokens}-token system prompt, think {args.think_s} s; kvhex loading "
+        f"{args.loading or 'as configured by default'}"
     )
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # servers stopped on the way out
     points: dict[tuple[str, int], Point] = {}
