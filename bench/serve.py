@@ -179,7 +179,8 @@ def server(
     model: Path, transfer: Any, args: argparse.Namespace, work: Path, log_path: Path
 ) -> Iterator[str]:
     """vLLM's OpenAI server on a free loopback port, in a process group of its own (the API
-    server and its engine core), stopped on the way out, errors included."""
+    server, its engine core and, on the CPU, its worker), stopped on the way out, errors
+    included."""
     port = free_port()
     options = {
         "--model": model,
@@ -196,14 +197,11 @@ def server(
     command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server"]
     command += [str(part) for option in options.items() for part in option]
     command += ["--skip-tokenizer-init", "--enforce-eager", "--enable-prefix-caching"]
-    command += ["--enable-prompt-tokens-details"]
     if transfer is not None:
         command += ["--kv-transfer-config", json.dumps(transfer)]
     # a private vLLM cache: another vLLM version sharing ~/.cache/vllm breaks model inspection
     env = {**os.environ, "VLLM_CACHE_ROOT": str(work / "vllm-cache")}
-    # vLLM's CPU platform reserves a core for the scheduler, and one more for any KV connector
-    # (NIXL's, in its P/D case): with kvhex the model would get one core less than without it
-    # (on 2 cores: both cores and none reserved, against one). The same for every server.
+    # the same CPU placement with a KV connector as without (see the module docstring)
     env.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "1")
     with log_path.open("wb") as log:
         proc = subprocess.Popen(
@@ -270,14 +268,10 @@ class Turn:
 
     user: int
     turn: int
-    sent: float
     ttft: float
     itl: float
     """The mean gap between this answer's streamed tokens (its first to its last)."""
-    done: float
     tokens: list[int]
-    prompt_tokens: int
-    cached_tokens: int
 
 
 @dataclass
@@ -303,7 +297,6 @@ async def chat(
     system: list[int],
     args: argparse.Namespace,
     seed: str,
-    began: float,
 ) -> list[Turn]:
     """One user's turns, each after its think time."""
     rng = random.Random(f"{seed}-user-{user}")
@@ -320,13 +313,11 @@ async def chat(
             "temperature": 0,
             "ignore_eos": True,
             "stream": True,
-            "stream_options": {"include_usage": True},
             "return_token_ids": True,
         }
         sent = time.perf_counter()
         first = last = 0.0
         tokens: list[int] = []
-        usage: dict[str, Any] = {}
         async with session.post(f"{url}/v1/completions", json=body) as response:
             if response.status != 200:
                 raise RuntimeError(f"HTTP {response.status}: {await response.text()}")
@@ -334,30 +325,20 @@ async def chat(
                 if not line.startswith(b"data: ") or line.startswith(b"data: [DONE]"):
                     continue
                 now = time.perf_counter()
-                chunk = json.loads(line[6:])
-                usage = chunk.get("usage") or usage
-                for choice in chunk.get("choices", ()):
-                    ids = choice.get("token_ids") or []
-                    if not ids:
-                        continue
-                    first = first or now
-                    last = now
-                    tokens += ids
-        done = time.perf_counter()
+                for choice in json.loads(line[6:]).get("choices", ()):
+                    if ids := choice.get("token_ids"):
+                        first = first or now
+                        last = now
+                        tokens += ids
         if len(tokens) != args.answer_tokens:
             raise RuntimeError(f"user {user} turn {turn}: {len(tokens)} tokens streamed")
-        details = usage.get("prompt_tokens_details") or {}
         out.append(
             Turn(
                 user=user,
                 turn=turn,
-                sent=sent - began,
                 ttft=first - sent,
                 itl=(last - first) / max(1, len(tokens) - 1),
-                done=done - began,
                 tokens=tokens,
-                prompt_tokens=int(usage.get("prompt_tokens", len(prompt))),
-                cached_tokens=int(details.get("cached_tokens") or 0),
             )
         )
         history += [*new, *tokens]
@@ -377,10 +358,7 @@ async def run_point(url: str, users: int, args: argparse.Namespace) -> tuple[lis
     async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
         began = time.perf_counter()
         results = await asyncio.gather(
-            *(
-                chat(session, url, user=u, system=system, args=args, seed=seed, began=began)
-                for u in range(users)
-            )
+            *(chat(session, url, user=u, system=system, args=args, seed=seed) for u in range(users))
         )
         wall = time.perf_counter() - began
     return [turn for turns in results for turn in turns], wall
