@@ -331,3 +331,20 @@ def test_a_promoting_loads_wait_counts_beyond_its_planned_gets() -> None:
     second = ReqContext("second")
     world.manager.plan_ahead([keys(1, 2, 3)], second)
     assert _ask(world, [1, 2, 3], second) == [MISS]
+
+
+def test_a_busy_engine_counts_no_loads_wait() -> None:
+    """With other requests in the engine its steps run for them anyway: a load's measured
+    wait is theirs, and recomputing would cost the whole batch its prefill, so plans count
+    only the gets (a short host prefix is loaded, a promotion too)."""
+    world = _world(LoadMode.AUTO)
+    writer = ReqContext("writer")
+    world.store([1, 2], writer)
+    world.manager.on_request_finished(writer)
+    _settle(world)
+    world.manager.observe_load_wait(ReqContext("past"), 0.1, promoted=False)
+    busy, idle = ReqContext("busy"), ReqContext("idle")
+    world.manager.plan_ahead([keys(1, 2)], busy, busy=True)
+    assert _ask(world, [1, 2], busy) == [HIT] * 2
+    world.manager.plan_ahead([keys(1, 2)], idle, busy=False)
+    assert _ask(world, [1, 2], idle) == [MISS]

@@ -366,3 +366,37 @@ def test_load_or_recompute_is_decided_at_the_requests_first_lookup(
     assert (stats.loading.loaded_all, stats.loading.recomputed) == (
         (2, 0) if answer is None else (1, 1)
     )
+
+
+def test_a_loads_wait_is_measured_only_while_no_other_request_is_in(
+    tmp_path: Path, connectors: list[Any]
+) -> None:
+    connector = scheduler_connector(
+        tmp_path / "model", _extra(tmp_path / "kv"), "KvhexOffloadingConnector"
+    )
+    connectors.append(connector)
+    engine = connector.connector_scheduler.manager.engine
+    driver = Driver(connector)
+    writer = request("writer", PROMPT)
+    connector.on_new_request(writer)
+    assert driver.matched(writer) == 0
+    driver.complete(list(driver.prefill(writer).store_jobs))
+    driver.finish(writer)
+
+    # a load from host memory while another request is in the engine: not measured
+    other = request("other", list(range(500, 520)))
+    connector.on_new_request(other)
+    second = request("r2", [*PROMPT, 1])
+    connector.on_new_request(second)
+    assert driver.matched(second) == 64
+    driver.complete(list(driver.prefill(second, external=64).load_jobs))
+    assert engine.stats().loading.wait_host_s == 0
+    driver.finish(second)
+    driver.finish(other)
+
+    # alone: its wait, from the lookup until it is scheduled to compute, is measured
+    third = request("r3", [*PROMPT, 2])
+    connector.on_new_request(third)
+    assert driver.matched(third) == 64
+    driver.complete(list(driver.prefill(third, external=64).load_jobs))
+    assert engine.stats().loading.wait_host_s > 0

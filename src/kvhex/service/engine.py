@@ -89,11 +89,13 @@ class OffloadEngine:
             return self._manager.lookup(key, ctx)
         return self._manager.lookup_host(key)
 
-    def plan_ahead(self, runs: Sequence[Sequence[OffloadKey]], ctx: ReqContext) -> None:
+    def plan_ahead(
+        self, runs: Sequence[Sequence[OffloadKey]], ctx: ReqContext, *, busy: bool = False
+    ) -> None:
         """The scheduler will look up ``runs`` (one run of keys per KV group, in prefix
-        order) for ``ctx``: decide load or recompute now where every answer is known. See
-        ``TieringManager.plan_ahead``."""
-        self._live("plan_ahead").plan_ahead(runs, ctx)
+        order) for ``ctx``, with other requests in the engine (``busy``) or none: decide load
+        or recompute now where every answer is known. See ``TieringManager.plan_ahead``."""
+        self._live("plan_ahead").plan_ahead(runs, ctx, busy=busy)
 
     def load_source(self, key: OffloadKey, ctx: ReqContext) -> TierIdentity | None:
         """The secondary tier a ``HIT`` of ``key`` for ``ctx`` was promoted from, ``None``

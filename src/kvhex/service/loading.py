@@ -96,6 +96,10 @@ class LoadDecider:
         self.stats = LoadStats()
         self.waits = LoadWaits()
         """What loads cost requests in engine steps (measured by the engine's adapter)."""
+        self.busy = False
+        """Other requests are in the engine (as the last ``plan_ahead`` was told): its steps
+        run for them anyway, so a load's steps cost the engine nothing and recomputing
+        costs every request in the batch its prefill; plans then count no wait."""
         self._scans: dict[ReqContext, Scan] = {}
         self._decided: dict[ReqContext, dict[OffloadKey, bool]] = {}
         self._planned_get_s: dict[ReqContext, float] = {}
@@ -193,9 +197,9 @@ class LoadDecider:
         if ctx in self._decided:
             return
         if all(t is None for t in tiers) and (
-            self.mode is not LoadMode.AUTO or not self.waits.host_s
+            self.mode is not LoadMode.AUTO or self.busy or not self.waits.host_s
         ):
-            return  # a host prefix is loaded unless a load's wait was measured to cost
+            return  # a host prefix is loaded unless an idle engine's load step costs more
         scan = Scan(list(keys), list(tiers))
         self._decide(ctx, scan, estimates, bytes_per_key)
         self._scans.pop(ctx, None)
@@ -219,7 +223,8 @@ class LoadDecider:
             elif i >= cut:
                 self._declined.setdefault(ctx, set()).add(key)
         if loads:
-            self._planned_get_s[ctx] = self.stats.last_load_s - self.waits.promote_s
+            waited = 0.0 if self.busy else self.waits.promote_s
+            self._planned_get_s[ctx] = self.stats.last_load_s - waited
         return loads
 
     def observe_wait(self, ctx: ReqContext, seconds: float, *, promoted: bool) -> None:
@@ -249,8 +254,8 @@ class LoadDecider:
                 bytes_per_chunk=bytes_per_key,
                 tokens_per_chunk=tokens,
                 tokens_per_s=self.prefill.tokens_per_s,
-                host_wait_s=self.waits.host_s,
-                promote_wait_s=self.waits.promote_s,
+                host_wait_s=0.0 if self.busy else self.waits.host_s,
+                promote_wait_s=0.0 if self.busy else self.waits.promote_s,
             )
         cut = plan.load_chunks
         left = {t for t in scan.tiers[cut:] if t is not None}

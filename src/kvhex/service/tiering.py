@@ -150,13 +150,17 @@ class TieringManager:
         self._host_misses += 1
         return self._lookup_tiers(key, ctx) if self._tiers else _MISS
 
-    def plan_ahead(self, runs: Sequence[Sequence[OffloadKey]], ctx: ReqContext) -> None:
+    def plan_ahead(
+        self, runs: Sequence[Sequence[OffloadKey]], ctx: ReqContext, *, busy: bool = False
+    ) -> None:
         """The scheduler is about to look up ``runs`` for ``ctx`` (one run of keys per KV
         group, in prefix order): decide load or recompute now where every answer is known,
         so its lookups answer as decided and the request waits no step for a plan
-        (``Promotions.plan_ahead``)."""
+        (``Promotions.plan_ahead``). ``busy``: other requests are in the engine, whose steps
+        run anyway, so a load's steps cost no engine time (``LoadDecider.busy``)."""
         if not self._polled:
             self._poll()
+        self._loading.busy = busy
         self._promotions.plan_ahead(runs, ctx, self.slot_bytes)
 
     def load_source(self, key: OffloadKey, ctx: ReqContext) -> TierIdentity | None:

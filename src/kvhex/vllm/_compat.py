@@ -148,9 +148,11 @@ def quiet_events_tracker(scheduler: Any) -> None:
 
 def lookup_runs(
     scheduler: Any, request: Any, num_computed_tokens: int
-) -> tuple[vbase.ReqContext, list[list[Any]]] | None:
+) -> tuple[vbase.ReqContext, list[list[Any]], bool] | None:
     """The offload keys vLLM's connector scheduler is about to look up for ``request``
-    beyond ``num_computed_tokens``, with the request's ``ReqContext``: one run per KV group,
+    beyond ``num_computed_tokens``, with the request's ``ReqContext`` and whether other
+    requests are in the engine (running or waiting: the connector tracks each until it
+    finishes): one run per KV group,
     in the order its ``_maximal_prefix_lookup`` asks them (it stops each run at the first
     miss); ``None`` where it would not look up now (transfers in flight, prefix cache
     skipped) or looks up otherwise (a sliding-window group is scanned from the end).
@@ -167,10 +169,11 @@ def lookup_runs(
     if any(g.sliding_window_size_in_chunks is not None for g in configs):
         return None
     status.update_offload_keys()
-    return status.req_context, [
+    runs = [
         state.offload_keys[num_computed_tokens // g.tokens_per_chunk :]
         for g, state in zip(configs, status.group_states, strict=True)
     ]
+    return status.req_context, runs, len(scheduler._req_status) > 1
 
 
 _HASH_SCHEMES: Final = {(0, 32): 1, (0, 33): 1}

@@ -15,7 +15,9 @@ spec's manager is kvhex's:
   load waits from this lookup until the workers report its load finished
   (``update_connector_output``; or ``build_connector_meta`` sees it scheduled to compute):
   that wait (from host memory, or with a promotion) is what decisions count a load's engine
-  steps as (``LoadWaits``);
+  steps as (``LoadWaits``), measured and counted only while no other request is in the
+  engine: a busy engine's steps run for the others anyway, and a load's wait there is theirs
+  (recomputing would cost every request of the batch its prefill instead);
 * ``build_connector_meta``: a step that schedules nothing while kvhex's tiers have jobs in
   flight (a request waits for its promotion) sleeps ``IDLE_STEP_WAIT_S``: vLLM would step
   again at once, in a loop that holds the GIL, and the tiers' IO threads would get it only
@@ -145,18 +147,24 @@ class KvhexOffloadingConnector(OffloadingConnector):
     ) -> tuple[int | None, bool]:
         kvhex = self._kvhex
         ctx = None
+        busy = True
         if kvhex is not None and not kvhex.promotions_held:
             found = lookup_runs(self.connector_scheduler, request, num_computed_tokens)
             if found is not None:
-                ctx = context_of(found[0])[0]
+                vctx, runs, busy = found
+                ctx = context_of(vctx)[0]
                 with manager_lock(kvhex):
-                    kvhex.engine.plan_ahead(found[1], ctx)
+                    kvhex.engine.plan_ahead(runs, ctx, busy=busy)
         began = time.perf_counter()
         matched: tuple[int | None, bool] = super().get_num_new_matched_tokens(
             request, num_computed_tokens
         )
-        if ctx is not None:
+        if ctx is not None and not busy:
             self._note_wait(request.request_id, ctx, matched[0], began)
+        elif self._waits:
+            # another request shares the engine now: the waits under way would count its
+            # steps as the loads' (only an idle engine's waits say what a load costs)
+            self._waits.clear()
         return matched
 
     def _note_wait(self, req_id: str, ctx: Any, tokens: int | None, began: float) -> None:
