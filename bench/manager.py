@@ -6,12 +6,15 @@ The serving trace of ``primary_tier.py`` (Zipf-popular shared prefixes, a few pr
 per request) is replayed in scheduler steps of 8 new requests, each manager called as vLLM
 0.33's offloading connector calls it: per request a vLLM ``ReqContext`` (the key positions
 recorded as the connector records them), ``on_new_request``, ``lookup`` per key until the
-first miss, ``touch`` + ``prepare_load`` of the hit prefix, ``prepare_store`` of the rest;
+first answer that is not ``HIT``, ``touch`` + ``prepare_load`` of the hit prefix,
+``prepare_store`` of the rest;
 ``on_request_finished`` of the previous step's requests; ``on_schedule_end``; the step's
 jobs completing (``complete_load`` / ``complete_store`` with each job's keys as a set, 2% of
 stores failing); then the step's events drained (``take_events``) and ``get_stats``.
 
-Sides, in blocks of 64 steps whose order rotates, so machine drift hits them alike:
+One warm-up pass (the tier fills) is dropped; then ``--repeats`` passes, each of blocks of
+about 64 steps that every side replays in turn, the first side rotating block by block, so
+machine drift hits them alike. The sides:
 
 * ``vllm``: vLLM 0.33's ``CPUOffloadingManager`` (LRU, events on);
 * ``kvhex``: ``KvhexOffloadingSpec(...).get_manager()`` as vLLM builds it (host tier only,
@@ -20,9 +23,10 @@ Sides, in blocks of 64 steps whose order rotates, so machine drift hits them ali
 * ``kvhex-kv``: the same, each request announced inside ``incoming(request)`` and drained by
   ``take_kv_events`` (kvhex's full-provenance events, as ``KvhexOffloadingConnector`` does).
 
-Prints each operation's median microseconds per call and the headline: all bookkeeping time
-over the trace per chunk operation (a lookup is one; a batch call counts its keys), kvhex /
-vLLM, as the median of per-pass ratios with its 95% interval (``_report.median_interval``).
+Prints each operation's median microseconds per call, each operation's share of the time per
+chunk operation, and the headline: all bookkeeping time of a pass per chunk operation (a lookup
+is one; a batch call counts its keys), kvhex / vLLM as the median of per-pass ratios with its
+95% interval (``_report.median_interval``); without ``get_stats``, then with it.
 Without vLLM importable (``.venv``) it says so and measures kvhex's ``OffloadEngine`` alone,
 on kvhex request contexts (the manager's vLLM adapter cannot be built there).
 
@@ -369,27 +373,39 @@ def main() -> None:
 
     trace = make_trace(args.ops // 8, args.prefixes, args.seed)
     steps = [trace[i : i + STEP_REQUESTS] for i in range(0, len(trace), STEP_REQUESTS)]
+    report.say(
+        f"trace: {len(trace)} requests in {len(steps)} steps of {STEP_REQUESTS}, "
+        f"{args.slots} host slots"
+    )
     sides = vllm_sides(args.slots)
     if sides is None:
         report.say("vllm: not installed; kvhex's OffloadEngine alone (the adapter needs vLLM)")
         sides = [engine_side(args.slots)]
-    if args.profile:
-        profile(report, sides, args.profile, steps)
-        return
+    try:
+        if args.profile:
+            profile(report, sides, args.profile, steps)
+        else:
+            measure(report, sides, steps, args.repeats)
+    finally:  # kvhex's managers give vLLM's shared region (in /dev/shm) back
+        for side in sides:
+            side.manager.shutdown()
+
+
+def measure(report: Report, sides: list[Side], steps: list[Any], repeats: int) -> None:
+    """Replay ``steps`` through every side, block by block, and report."""
     overhead = timer_overhead()
     # one warm-up pass (the tier fills), then --repeats timed passes of whole blocks
-    n_blocks = max(len(steps) // BLOCK_STEPS, args.repeats + 1)
-    per_pass = max(n_blocks // (args.repeats + 1), 1)
-    block_steps = max(len(steps) // (per_pass * (args.repeats + 1)), 1)
+    n_blocks = max(len(steps) // BLOCK_STEPS, repeats + 1)
+    per_pass = max(n_blocks // (repeats + 1), 1)
+    block_steps = max(len(steps) // (per_pass * (repeats + 1)), 1)
     report.say(
-        f"trace: {len(trace)} requests in {len(steps)} steps of {STEP_REQUESTS}, "
-        f"{args.slots} host slots; {args.repeats} passes of {per_pass} blocks of "
-        f"{block_steps} steps after one warm-up pass; timer overhead {overhead} ns subtracted"
+        f"{repeats} passes of {per_pass} blocks of {block_steps} steps after one warm-up "
+        f"pass; timer overhead {overhead} ns subtracted"
     )
     gc.collect()
     gc.freeze()
     turn = 0
-    for p in range(args.repeats + 1):
+    for p in range(repeats + 1):
         marks = {side.name: {op: len(side.samples[op]) for op in OPS} for side in sides}
         ops_before = {side.name: side.counts["chunk_ops"] for side in sides}
         for b in range(per_pass):
@@ -416,8 +432,6 @@ def main() -> None:
     gc.unfreeze()
     summarize_run(report, sides, overhead)
     report.finish()
-    for side in sides:
-        side.manager.shutdown()
 
 
 def summarize_run(report: Report, sides: list[Side], overhead: int) -> None:
