@@ -151,8 +151,7 @@ def lookup_runs(
 ) -> tuple[vbase.ReqContext, list[list[Any]], bool] | None:
     """The offload keys vLLM's connector scheduler is about to look up for ``request``
     beyond ``num_computed_tokens``, with the request's ``ReqContext`` and whether other
-    requests are in the engine (running or waiting: the connector tracks each until it
-    finishes): one run per KV group,
+    unfinished requests are in the engine (running or waiting): one run per KV group,
     in the order its ``_maximal_prefix_lookup`` asks them (it stops each run at the first
     miss); ``None`` where it would not look up now (transfers in flight, prefix cache
     skipped) or looks up otherwise (a sliding-window group is scanned from the end).
@@ -173,7 +172,12 @@ def lookup_runs(
         state.offload_keys[num_computed_tokens // g.tokens_per_chunk :]
         for g, state in zip(configs, status.group_states, strict=True)
     ]
-    return status.req_context, runs, len(scheduler._req_status) > 1
+    # a request that finished stays until the next step's metadata (or its last transfer):
+    # the first unfinished other one ends the search (at once in a busy engine)
+    others = any(
+        s is not status and not s.req.is_finished() for s in scheduler._req_status.values()
+    )
+    return status.req_context, runs, others
 
 
 _HASH_SCHEMES: Final = {(0, 32): 1, (0, 33): 1}
