@@ -481,12 +481,12 @@ def test_kvhex_bench_quick_runs_every_benchmark_into_one_table() -> None:
     assert lines[0].split() == header
     table = lines[1 : lines.index("")]
     benches = {line.split()[0] for line in table}
-    assert benches == {"primary_tier", "tiering", "events", "tiers", "gpu_transfer"}
+    assert benches == {"primary_tier", "manager", "tiering", "events", "tiers", "gpu_transfer"}
     tiers = [line for line in table if line.startswith("tiers ")]
     assert len(tiers) == 12  # files, nixl, s3 x 2 chunk sizes x put, get
     assert all(line.endswith("GB/s") for line in tiers)
     legend = lines[lines.index("") + 1 :]
-    assert len(legend) == 5
+    assert len(legend) == 6
     assert any(line.startswith("tiers (") and "higher is better" in line for line in legend)
 
 

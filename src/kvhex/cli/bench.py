@@ -26,7 +26,7 @@ import attrs
 
 from kvhex.cli._args import EXIT_FAILED, EXIT_USAGE, positive
 
-BENCHMARKS = ("primary_tier", "tiering", "events", "tiers", "gpu_transfer")
+BENCHMARKS = ("primary_tier", "manager", "tiering", "events", "tiers", "gpu_transfer")
 """The scripts of ``bench/`` (without ``.py``), in the order they run."""
 
 
