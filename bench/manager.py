@@ -53,6 +53,7 @@ from typing import Any
 
 import structlog
 
+import _vllm
 from _report import Report, add_repeats, parse, summarize
 from kvhex.cli.bench import interval_text
 from primary_tier import make_trace, timer_overhead
@@ -125,41 +126,13 @@ class Side:
 def offloading_config(slots: int, events: bool) -> Any:
     """vLLM 0.33's normalized offloading config: one full-attention group of 16-token
     blocks, one block per chunk, one worker, ``slots`` host chunks of one page."""
-    from vllm.v1.kv_offload.config import (
-        OffloadingCacheConfig,
-        OffloadingConfig,
-        OffloadingGroupConfig,
-        OffloadingModelConfig,
-        OffloadingParallelConfig,
-    )
-
-    return OffloadingConfig(
-        groups=(
-            OffloadingGroupConfig(
-                tokens_per_block=TOKENS_PER_CHUNK,
-                layer_names=("layer.0",),
-                group_id=0,
-                sliding_window_size_in_chunks=None,
-            ),
-        ),
-        worker_kv_bytes_per_block=PAGE,
-        enable_kv_cache_events=events,
-        extra_config={"cpu_bytes_to_use": slots * PAGE},
+    return _vllm.offloading_config(
+        block_bytes=PAGE,
+        cpu_bytes=slots * PAGE,
         engine_id=f"kvhex-bench-{uuid.uuid4().hex[:12]}",
-        model=OffloadingModelConfig(name="kvhex/bench", dtype="float16", max_model_len=1 << 16),
-        cache=OffloadingCacheConfig(TOKENS_PER_CHUNK, 1),
-        parallel=OffloadingParallelConfig(
-            rank=0,
-            world_size=1,
-            tp_size=1,
-            pp_size=1,
-            pcp_size=1,
-            dcp_size=1,
-            data_parallel_index=0,
-            data_parallel_size=1,
-            data_parallel_rank_local=None,
-            is_parallelism_agnostic=True,
-        ),
+        events=events,
+        tokens_per_block=TOKENS_PER_CHUNK,
+        max_model_len=1 << 16,
     )
 
 

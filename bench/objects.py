@@ -59,6 +59,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import _vllm
 from _report import Report, add_chunk_sizes, add_repeats, parse, summarize
 from _s3 import LoopbackS3, start_loopback_s3, start_seaweedfs
 from kvhex.adapters.memory import MemoryHostBuffer
@@ -231,36 +232,11 @@ def vllm_tier(chunk: int, rows: Any, endpoint: str, io_threads: int) -> Any:
     """vLLM's obj tier over ``rows`` (a ``rows x chunk`` uint8 array), built as vLLM's
     ``TieringOffloadingSpec`` builds its secondary tiers: by ``SecondaryTierFactory`` from a
     tier config, with a one-group, one-worker offloading config whose block is one chunk."""
-    from vllm.v1.kv_offload.config import (
-        OffloadingCacheConfig,
-        OffloadingConfig,
-        OffloadingGroupConfig,
-        OffloadingModelConfig,
-        OffloadingParallelConfig,
-    )
     from vllm.v1.kv_offload.tiering.factory import SecondaryTierFactory
     from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
 
-    config = OffloadingConfig(
-        groups=(OffloadingGroupConfig(16, ("layer.0",), 0),),
-        worker_kv_bytes_per_block=chunk,
-        enable_kv_cache_events=False,
-        extra_config={"cpu_bytes_to_use": rows.nbytes},
-        engine_id="kvhex-bench",
-        model=OffloadingModelConfig(name="kvhex/bench", dtype="float16"),
-        cache=OffloadingCacheConfig(tokens_per_hash=16, blocks_per_chunk=1),
-        parallel=OffloadingParallelConfig(
-            rank=0,
-            world_size=1,
-            tp_size=1,
-            pp_size=1,
-            pcp_size=1,
-            dcp_size=1,
-            data_parallel_index=0,
-            data_parallel_size=1,
-            data_parallel_rank_local=None,
-            is_parallelism_agnostic=True,
-        ),
+    config = _vllm.offloading_config(
+        block_bytes=chunk, cpu_bytes=rows.nbytes, engine_id="kvhex-bench"
     )
     entry = {
         "type": "obj",

@@ -76,6 +76,7 @@ from pathlib import Path
 from typing import Any
 
 from _report import Report, parse
+from _vllm import VOCAB, make_model
 
 CONFIGS = ("none", "host", "host+file")
 """The configurations compared, the baseline first."""
@@ -93,7 +94,6 @@ QUICK = {
 """Sizes of ``--quick`` (the smoke test's)."""
 START_S = 600.0
 """How long a server may take to answer ``/health``."""
-VOCAB = 1024
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 SOURCES = ("device", "host", "disk")
 """``vllm:prompt_tokens_cached_by_source`` sources reported (kvhex's file tier is ``disk``)."""
@@ -115,27 +115,6 @@ def block_size() -> int:
     from vllm.platforms import current_platform
 
     return 32 if current_platform.is_cpu() else 16
-
-
-def make_model(path: Path, layers: int, hidden: int, max_len: int, dtype: str) -> Path:
-    """A random-weight Llama in ``dtype`` (heads of 64, as many KV heads as heads, seed 0)."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    heads = max(1, hidden // 64)
-    config = LlamaConfig(
-        num_hidden_layers=layers,
-        hidden_size=hidden,
-        intermediate_size=3 * hidden,
-        num_attention_heads=heads,
-        num_key_value_heads=heads,
-        vocab_size=VOCAB,
-        max_position_embeddings=max_len,
-        torch_dtype=dtype,
-    )
-    LlamaForCausalLM(config).to(getattr(torch, dtype)).save_pretrained(path)
-    return path
 
 
 # ---------------------------------------------------------------------------------------------

@@ -44,6 +44,7 @@ from typing import Any
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 from _report import Report, median_interval, parse
+from _vllm import make_model
 from kvhex.vllm._compat import manager_lock
 
 BLOCK = 32
@@ -52,27 +53,6 @@ BLOCK = 32
 # engines run can slow their prefill (what kvhex measures and decides with) several times over
 QUICK = {"prefix": 256, "layers": 2, "hidden": 128, "repeats": 9, "slow_factor": 10.0}
 """Sizes of ``--quick`` (the smoke test's)."""
-
-
-def make_model(path: Path, layers: int, hidden: int, max_len: int) -> Path:
-    """A random-weight bf16 Llama (heads of 64, as many KV heads as heads, seed 0)."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    heads = max(1, hidden // 64)
-    config = LlamaConfig(
-        num_hidden_layers=layers,
-        hidden_size=hidden,
-        intermediate_size=3 * hidden,
-        num_attention_heads=heads,
-        num_key_value_heads=heads,
-        vocab_size=1024,
-        max_position_embeddings=max_len,
-        torch_dtype="bfloat16",
-    )
-    LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(path)
-    return path
 
 
 @contextlib.contextmanager
@@ -185,7 +165,7 @@ def main() -> None:
         tokens[key].append(token)
 
     with tempfile.TemporaryDirectory(prefix="kvhex-vllm-e2e-") as tmp:
-        model = make_model(Path(tmp) / "model", args.layers, args.hidden, max_len)
+        model = make_model(Path(tmp) / "model", args.layers, args.hidden, max_len, "bfloat16")
         kv_per_token = args.layers * 2 * args.hidden * 2
         report.say(
             f"{args.layers} layers x {args.hidden}, prefix {args.prefix} tokens "
