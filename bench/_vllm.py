@@ -3,6 +3,15 @@ and a random-weight model for a real engine (vLLM's CPU build)."""
 
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -83,3 +92,86 @@ def offloading_config(
             is_parallelism_agnostic=True,
         ),
     )
+
+
+# -- a vLLM server process (bench/serve.py) --------------------------------------------------
+def free_port() -> int:
+    """A free TCP port on loopback."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+@contextlib.contextmanager
+def server_process(
+    command: Sequence[str],
+    *,
+    env: Mapping[str, str],
+    cwd: Path,
+    log_path: Path,
+    port: int,
+    start_s: float,
+) -> Iterator[str]:
+    """``command`` (a vLLM server on ``port``) in a process group of its own, its output in
+    ``log_path``; yields its URL once healthy and stops the group on the way out."""
+    with log_path.open("wb") as log:
+        proc = subprocess.Popen(
+            list(command),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=dict(env),
+            cwd=cwd,
+            start_new_session=True,
+        )
+        try:
+            url = f"http://127.0.0.1:{port}"
+            wait_healthy(proc, url, log_path, start_s)
+            yield url
+        finally:
+            stop(proc)
+
+
+def wait_healthy(proc: subprocess.Popen[bytes], url: str, log_path: Path, start_s: float) -> None:
+    """Until ``url/health`` answers; fails with the log's tail if the server exits, or after
+    ``start_s``."""
+    deadline = time.monotonic() + start_s
+    while True:
+        if proc.poll() is not None:
+            tail = log_path.read_text(errors="replace")[-4000:]
+            raise RuntimeError(f"the server exited with {proc.returncode}:\n{tail}")
+        try:
+            with urllib.request.urlopen(f"{url}/health", timeout=2):
+                return
+        except (urllib.error.URLError, ConnectionError, TimeoutError):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the server was not up in {start_s:.0f} s") from None
+            time.sleep(0.5)
+
+
+def stop(proc: subprocess.Popen[bytes]) -> None:
+    """SIGTERM to the server's process group (vLLM shuts its engine down), SIGKILL to what is
+    left of the group after 30 s, or at once after the server exited."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGTERM)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.wait(30)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait(10)
+
+
+def scrape(url: str) -> dict[tuple[str, str], float]:
+    """``/metrics`` as ``{(sample name, the label that tells series apart): value}``, summed
+    over vLLM's ``model_name`` and ``engine`` labels."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(f"{url}/metrics", timeout=30) as response:
+        text = response.read().decode()
+    out: dict[tuple[str, str], float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            labels = {k: v for k, v in sample.labels.items() if k not in ("model_name", "engine")}
+            key = (sample.name, ",".join(f"{k}={v}" for k, v in sorted(labels.items())))
+            out[key] = out.get(key, 0.0) + sample.value
+    return out

@@ -62,21 +62,18 @@ import math
 import os
 import random
 import signal
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import _vllm
 from _report import Report, parse
-from _vllm import VOCAB, make_model
+from _vllm import VOCAB, make_model, scrape
 
 CONFIGS = ("none", "host", "host+file")
 """The configurations compared, the baseline first."""
@@ -121,13 +118,6 @@ def block_size() -> int:
 # the server
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
-
-
 def transfer_config(config: str, chunk_bytes: int, args: argparse.Namespace, root: Path) -> Any:
     """vLLM's ``--kv-transfer-config`` of one configuration (None: no offloading)."""
     if config == "none":
@@ -160,7 +150,7 @@ def server(
     """vLLM's OpenAI server on a free loopback port, in a process group of its own (the API
     server, its engine core and, on the CPU, its worker), stopped on the way out, errors
     included."""
-    port = free_port()
+    port = _vllm.free_port()
     options = {
         "--model": model,
         "--served-model-name": "serve-bench",
@@ -182,59 +172,10 @@ def server(
     env = {**os.environ, "VLLM_CACHE_ROOT": str(work / "vllm-cache")}
     # the same CPU placement with a KV connector as without (see the module docstring)
     env.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "1")
-    with log_path.open("wb") as log:
-        proc = subprocess.Popen(
-            command, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=work, start_new_session=True
-        )
-        try:
-            url = f"http://127.0.0.1:{port}"
-            wait_healthy(proc, url, log_path)
-            yield url
-        finally:
-            stop(proc)
-
-
-def wait_healthy(proc: subprocess.Popen[bytes], url: str, log_path: Path) -> None:
-    deadline = time.monotonic() + START_S
-    while True:
-        if proc.poll() is not None:
-            tail = log_path.read_text(errors="replace")[-4000:]
-            raise RuntimeError(f"the server exited with {proc.returncode}:\n{tail}")
-        try:
-            with urllib.request.urlopen(f"{url}/health", timeout=2):
-                return
-        except (urllib.error.URLError, ConnectionError, TimeoutError):
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"the server was not up in {START_S:.0f} s") from None
-            time.sleep(0.5)
-
-
-def stop(proc: subprocess.Popen[bytes]) -> None:
-    """SIGTERM to the server's process group (vLLM shuts its engine down), SIGKILL to what is
-    left of the group after 30 s, or at once after the server exited."""
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(proc.pid, signal.SIGTERM)
-    with contextlib.suppress(subprocess.TimeoutExpired):
-        proc.wait(30)
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait(10)
-
-
-def scrape(url: str) -> dict[tuple[str, str], float]:
-    """``/metrics`` as ``{(sample name, the label that tells series apart): value}``, summed
-    over vLLM's ``model_name`` and ``engine`` labels."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    with urllib.request.urlopen(f"{url}/metrics", timeout=30) as response:
-        text = response.read().decode()
-    out: dict[tuple[str, str], float] = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            labels = {k: v for k, v in sample.labels.items() if k not in ("model_name", "engine")}
-            key = (sample.name, ",".join(f"{k}={v}" for k, v in sorted(labels.items())))
-            out[key] = out.get(key, 0.0) + sample.value
-    return out
+    with _vllm.server_process(
+        command, env=env, cwd=work, log_path=log_path, port=port, start_s=START_S
+    ) as url:
+        yield url
 
 
 # ---------------------------------------------------------------------------------------------
