@@ -147,7 +147,7 @@ class KvhexOffloadingConnector(OffloadingConnector):
     ) -> tuple[int | None, bool]:
         kvhex = self._kvhex
         ctx = None
-        busy = True
+        busy = False
         if kvhex is not None and not kvhex.promotions_held:
             found = lookup_runs(self.connector_scheduler, request, num_computed_tokens)
             if found is not None:
@@ -159,12 +159,12 @@ class KvhexOffloadingConnector(OffloadingConnector):
         matched: tuple[int | None, bool] = super().get_num_new_matched_tokens(
             request, num_computed_tokens
         )
-        if ctx is not None and not busy:
-            self._note_wait(request.request_id, ctx, matched[0], began)
-        elif self._waits:
+        if busy:
             # another request shares the engine now: the waits under way would count its
             # steps as the loads' (only an idle engine's waits say what a load costs)
             self._waits.clear()
+        elif ctx is not None:
+            self._note_wait(request.request_id, ctx, matched[0], began)
         return matched
 
     def _note_wait(self, req_id: str, ctx: Any, tokens: int | None, began: float) -> None:
