@@ -46,8 +46,16 @@ SMALL_HOST_CHUNKS = 16
 the prefix from host memory too (``evict``)."""
 
 
+LOADING_OFF = {"loading": {"mode": "off"}}
+"""Every hit loaded: these tests are of the tiers serving the prefix, not of the
+load-or-recompute decision (the tiny model's prefill is so fast that, once a load's steps
+are measured, recomputing its 320-token prefix is the faster choice; the decision is tested by
+``test_the_ttft_bench_reports_each_tier_loaded_recomputed_and_decided`` here and in
+``tests/vllm/test_connector.py``)."""
+
+
 def host_only(chunks: int = HOST_CHUNKS) -> dict[str, Any]:
-    return {"cpu_bytes_to_use": chunks * CHUNK_BYTES}
+    return {"cpu_bytes_to_use": chunks * CHUNK_BYTES, "kvhex": dict(LOADING_OFF)}
 
 
 def with_files(root: Path, chunks: int = SMALL_HOST_CHUNKS) -> dict[str, Any]:
@@ -159,7 +167,11 @@ def test_a_third_party_transfer_named_in_vllms_config_moves_the_host_tiers_bytes
     report = tmp_path / "counts.json"
     extra = {
         **host_only(),
-        "kvhex": {"transfer": "counting", "transfer_options": {"report_path": str(report)}},
+        "kvhex": {
+            **LOADING_OFF,
+            "transfer": "counting",
+            "transfer_options": {"report_path": str(report)},
+        },
     }
     with offline_engine(model, kv_transfer_config=kvhex_transfer(extra)) as llm:
         outputs, cached, loads = run_turns(llm, host_loads, one_flush)
@@ -233,10 +245,7 @@ def test_a_reset_with_the_connector_then_hits_again(
     from vllm.inputs import TokensPrompt
 
     outputs, cached, from_files = {}, {}, {}
-    # every hit loaded: what is tested is the reset, not the load-or-recompute decision (on a
-    # busy machine the tiny model's measured prefill can make recomputing the faster choice)
-    extra = {**with_files(tmp_path), "kvhex": {"loading": {"mode": "off"}}}
-    with offline_engine(model, kv_transfer_config=kvhex_transfer(extra)) as llm:
+    with offline_engine(model, kv_transfer_config=kvhex_transfer(with_files(tmp_path))) as llm:
         manager = kvhex_manager(llm)
         outputs[0], _ = generate(llm, prompt(0))
         settle(llm)
