@@ -99,6 +99,9 @@ def test_the_indexer_credits_each_prefix_kvhex_served_at_the_tier_holding_it(
                     "kvhex": {"capacity_bytes": 64 << 20},
                 }
             ],
+            # every hit loaded: the indexer's credit is tested, not the load-or-recompute
+            # decision (which recomputes the tiny model's prefix once a load's steps are known)
+            "kvhex": {"loading": {"mode": "off"}},
         }
     )
     a, b, c, d = prompt(0), prompt(1), flush(0), flush(1)

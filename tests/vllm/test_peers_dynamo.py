@@ -56,7 +56,13 @@ def engine_spec(
     }
     return {
         "model": str(model),
-        "extra": {"cpu_bytes_to_use": HOST_CHUNKS * CHUNK_BYTES, "secondary_tiers": [files]},
+        "extra": {
+            "cpu_bytes_to_use": HOST_CHUNKS * CHUNK_BYTES,
+            "secondary_tiers": [files],
+            # every hit loaded: the router's credit is tested, not the load-or-recompute
+            # decision (which recomputes the tiny model's prefix once a load's steps are known)
+            "kvhex": {"loading": {"mode": "off"}},
+        },
         # vLLM's publisher binds ipc endpoints: no port to find free, nothing on the network
         "events": {
             "endpoint": f"ipc://{tmp_path / f'kv-events-{name}'}",
