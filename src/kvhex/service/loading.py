@@ -193,7 +193,8 @@ class LoadDecider:
         lookup order, each held by host memory (``None``) or the secondary tier ``tiers``
         names, all known now. The lookups that follow answer as decided (a promotion or a
         miss at once), so the request waits no step for a plan. Nothing when ``ctx``
-        decided already (its decisions stand) or no secondary tier holds a key."""
+        decided already (its decisions stand), or when host memory holds every key and a
+        load's step is not worth weighing (not ``AUTO``, a busy engine, no wait measured)."""
         if ctx in self._decided:
             return
         if all(t is None for t in tiers) and (

@@ -105,9 +105,9 @@ class Promotions:
         """Decide load or recompute for ``ctx`` before the scheduler looks it up, where every
         answer is known now (host memory, tiers with their own index, probes answered):
         ``runs`` are the keys the scheduler will look up, one run per KV group, each in
-        prefix order (a run ends at its first miss). Nothing when decisions are off, a tier
-        must still be probed, or no secondary tier holds a key: the lookups then go as
-        before (a plan at step end)."""
+        prefix order (a run ends at its first miss). Nothing when decisions are off, the
+        request decided already, or a tier must still be probed: the lookups then go as
+        before (a plan at step end, where a scan needs one)."""
         if not self._loading.active or self._loading.has_decided(ctx):
             return  # its decisions stand (a request waiting for its promotion asks again)
         allows = ctx.tier_filter.allows
