@@ -251,12 +251,15 @@ class BlockTierStore:
         holds (it adopted what was found at start-up) is found by a get submitted now; a
         key it lacks is missing while no other instance's blocks were seen on the storage.
         ``None`` otherwise: a probe asks the storage (shared object stores, a root another
-        instance also writes)."""
+        instance also writes, or a key the peer view saw another instance write, which a
+        presence check made up to ``ALONE_CHECK_S`` ago may not know of)."""
         if not self._exclusive:
             return None
         if key in self._index and key not in self._leaving:
             return True
-        return False if self._alone else None
+        if not self._alone or (self._peers is not None and key in self._peers):
+            return None
+        return False
 
     def submit_probe(self, job: TierJob) -> None:
         """Which keys exist: the index answers for this instance's blocks (where it is the

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from kvhex.adapters.memory import MemoryHostBuffer
+from kvhex.adapters.storage import tier as tier_module
 from kvhex.adapters.storage.files.fsck import check_root
 from kvhex.adapters.storage.format import HEADER, HEADER_AREA, KeptRecord, kept_record
 from kvhex.adapters.storage.fsspec import FsspecTierStore
@@ -286,3 +287,24 @@ def test_another_process_s_blocks_then_its_dead_slabs(tmp_path: Path) -> None:
     on_b.until(lambda: on_b.held(b.peer_identity) == set(keys[:2]), "b sees c's removal")
     b.close()
     c.close()
+
+
+def test_a_block_the_peer_view_saw_is_never_answered_missing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The presence check runs once a second; a block the peer view already announced is
+    probed (and loaded), not answered missing from a stale check."""
+    monkeypatch.setattr(tier_module, "ALONE_CHECK_S", 3600.0)
+    b = tier(tmp_path, "b", announce_peers=True)
+    ctx, keys = request("r", 2)
+    assert b.held_now(keys[0]) is False  # alone on the root
+    a = tier(tmp_path, "a")
+    assert put(a, keys, ctx).success
+    on_b = Events(b)
+    on_b.until(lambda: on_b.held(b.peer_identity) == set(keys), "b's view holds a's blocks")
+    assert [b.held_now(k) for k in keys] == [None, None]  # probed, not missing
+    _, others = request("other", 1, base=5000)
+    assert b.held_now(others[0]) is False  # what no one holds: still answered at once
+    assert get(b, keys, [4, 5]).success
+    a.close()
+    b.close()
