@@ -42,8 +42,9 @@ API: dict[str, list[str]] = {
     ],
     "kvhex.domain.policies": ["ArcPolicy", "EvictionPolicy", "LruPolicy", "PolicyFactory"],
     "kvhex.ports": [
-        "BlockTransfer", "Closeable", "Deletes", "EventSink", "EventSource", "HostBuffer",
-        "Indexed", "Occupancy", "PeerView", "RequestAware", "TierHealth", "TierStore",
+        "BlockCodec", "BlockTransfer", "Closeable", "CodecCorrupt", "CodecRefused", "Deletes",
+        "EventSink", "EventSource", "HostBuffer", "Indexed", "Occupancy", "PeerView",
+        "RecordSealing", "RequestAware", "TierHealth", "TierStore",
     ],
     "kvhex.service": [
         "EventPipeline", "EventStats", "LoadDecider", "LoadStats", "OffloadEngine",
@@ -56,16 +57,16 @@ API: dict[str, list[str]] = {
         "make_converter", "structure",
     ],
     "kvhex.plugins": [
-        "GROUPS", "LoadReport", "LoadedPlugin", "POLICIES", "PluginSpec", "Registry", "SINKS",
-        "TIERS", "TRANSFERS",
+        "CODECS", "GROUPS", "LoadReport", "LoadedPlugin", "POLICIES", "PluginSpec", "Registry",
+        "SINKS", "TIERS", "TRANSFERS",
     ],
     "kvhex.bootstrap": [
         "EntryPaths", "TierSpec", "assemble_engine", "build_engine", "build_policy",
         "build_primary_tier", "build_sink", "build_tier", "load_decider", "tier_options",
     ],
     "kvhex.testing": [
-        "CrashContract", "EvictionPolicyContract", "OrderContract", "TierKit",
-        "TierStoreContract", "block_payload", "policy_key", "tier_key",
+        "CodecContract", "CrashContract", "EvictionPolicyContract", "OrderContract", "TierKit",
+        "TierStoreContract", "block_payload", "codec_key", "kv_like", "policy_key", "tier_key",
     ],
     # built-in tiers and sinks are reached by their entry-point names (kvhex.tiers,
     # kvhex.sinks), not imported: these packages export nothing

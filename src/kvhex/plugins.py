@@ -28,11 +28,13 @@ import attrs
 
 from kvhex.domain.policies.base import EvictionPolicy
 from kvhex.errors import PluginError
+from kvhex.ports.codec import BlockCodec
 from kvhex.ports.event_sink import EventSink
 from kvhex.ports.tier_store import TierStore
 from kvhex.ports.transfer import BlockTransfer
 
 __all__ = [
+    "CODECS",
     "GROUPS",
     "POLICIES",
     "SINKS",
@@ -48,6 +50,7 @@ TIERS = "kvhex.tiers"
 TRANSFERS = "kvhex.transfers"
 SINKS = "kvhex.sinks"
 POLICIES = "kvhex.policies"
+CODECS = "kvhex.codecs"
 
 OWN_DISTRIBUTION = "kvhex"
 
@@ -91,6 +94,7 @@ GROUPS: Mapping[str, Checker | None] = {
     TRANSFERS: _factory_of(BlockTransfer, "transfer"),
     SINKS: _factory_of(EventSink, "event sink"),
     POLICIES: _factory_of(EvictionPolicy, "policy"),
+    CODECS: _factory_of(BlockCodec, "codec"),
 }
 """Every entry-point group kvhex reads, with the check a loaded object must pass."""
 

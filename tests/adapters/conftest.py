@@ -7,7 +7,11 @@ everything else that needs only a working server run against it. moto stays wher
 to the server what a real one cannot be made to do: ``private_s3_server`` (a server of the
 test's own, stopped mid-test, started in milliseconds) and ``wire_s3_server`` (moto's
 application behind a recorder that sees every request's headers, holds requests until others
-arrive and answers chosen clients with scripted errors)."""
+arrive and answers chosen clients with scripted errors).
+
+``valkey_standalone`` (password required) and ``valkey_cluster`` (3 nodes) are real
+``valkey-server`` processes on loopback, one each per session
+(tests/adapters/storage/valkey/servers.py)."""
 
 from __future__ import annotations
 
@@ -16,12 +20,14 @@ import os
 import socket
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import attrs
 import pytest
 
 from tests.adapters.seaweedfs import Identity, start_seaweedfs, weed_binary
+from tests.adapters.storage.valkey.servers import Server, start_cluster, start_standalone
 
 CREDENTIALS = {"key": "kvhex-test-key", "secret": "kvhex-test-secret"}
 NO_LIST = {"key": "kvhex-no-list-key", "secret": "kvhex-no-list-secret"}
@@ -302,3 +308,18 @@ def dead_endpoint() -> Iterator[str]:
     with socket.socket() as held:
         held.bind(("127.0.0.1", 0))
         yield f"http://127.0.0.1:{held.getsockname()[1]}"
+
+
+@pytest.fixture(scope="session")
+def valkey_standalone(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    server = start_standalone(Path(tmp_path_factory.mktemp("valkey")))
+    yield server
+    server.kill()
+
+
+@pytest.fixture(scope="session")
+def valkey_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[Server]]:
+    nodes = start_cluster(Path(tmp_path_factory.mktemp("valkey-cluster")))
+    yield nodes
+    for node in nodes:
+        node.kill()

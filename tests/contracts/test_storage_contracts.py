@@ -15,9 +15,13 @@ from typing import Any
 
 import pytest
 
+from kvhex.adapters.codecs.aesgcm import KEY_ENV, AesGcmCodec
+from kvhex.adapters.codecs.chain import CodecChain
+from kvhex.adapters.codecs.lossless import ZstdCodec
 from kvhex.adapters.storage.files.fsck import check_root
 from kvhex.adapters.storage.format import HEADER_AREA
 from kvhex.adapters.storage.fsspec import FsspecTierStore
+from kvhex.adapters.storage.namespace import check_sizes
 from kvhex.domain.events import TierEvent
 from kvhex.domain.keys import OffloadKey
 from kvhex.ports.host_buffer import HostBuffer
@@ -159,6 +163,64 @@ class TestS3TierWithPeerView(TestS3Tier):
     """The S3 tier with ``announce_peers`` (a listing at every poll), as the file tier's."""
 
     tier_class = PeerViewTier
+
+
+class _Coded:
+    """Blocks through a lossless chain that compresses and seals them (zstd, then AES-GCM
+    with the master key from the environment: the crash writers inherit it)."""
+
+    @pytest.fixture(autouse=True)
+    def _master_key(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        monkeypatch.setenv(KEY_ENV, "7e" * 32)
+
+    @staticmethod
+    def chain() -> CodecChain:
+        return CodecChain([ZstdCodec(), AesGcmCodec()])
+
+    @staticmethod
+    def coded_bytes(host: HostBuffer, blocks: int) -> int:
+        return blocks * check_sizes(host, None, None, _Coded.chain())
+
+
+class TestCodedFileTier(_Coded, _Local, TierStoreContract, CrashContract):
+    """The file tier storing coded frames: the whole kit and crash recovery as raw blocks
+    (fsck checks coded slots)."""
+
+    shared_storage = True
+
+    def make_store(self, host: HostBuffer) -> TierStore:
+        return self.make_sized_store(host, 1 << 12)
+
+    def make_sized_store(self, host: HostBuffer, capacity_blocks: int) -> TierStore:
+        return FsspecTierStore(
+            host,
+            str(self.root),
+            capacity_bytes=self.coded_bytes(host, capacity_blocks),
+            namespace=NS,
+            codec=self.chain(),
+        )
+
+
+class TestCodedS3Tier(_Coded, _Slow, _Bucket, TierStoreContract):
+    """The S3 tier storing coded frames (objects shorter than a slot)."""
+
+    shared_storage = True
+
+    def make_store(self, host: HostBuffer) -> TierStore:
+        return self.make_sized_store(host, 256)
+
+    def make_sized_store(self, host: HostBuffer, capacity_blocks: int) -> TierStore:
+        return started(
+            FsspecTierStore(
+                host,
+                f"s3://{self.bucket}/kv",
+                capacity_bytes=self.coded_bytes(host, capacity_blocks),
+                name="s3",
+                namespace=NS,
+                storage_options=s3_options(self.endpoint),
+                codec=self.chain(),
+            )
+        )
 
 
 class TestNixlPosixTier(_Local, TierStoreContract, CrashContract):

@@ -1,6 +1,6 @@
-"""Installs the third-party fixture distributions and the example tier and transfer for real
-(pip, no index, no network) into private directories, and puts one on sys.path only for the
-tests that ask."""
+"""Installs the third-party fixture distributions and the example tier, transfer and codec
+for real (pip, no index, no network) into private directories, and puts one on sys.path only
+for the tests that ask."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ import pytest
 
 FIXTURES = Path(__file__).parent.parent / "fixtures"
 EXAMPLES = Path(__file__).parent.parent.parent / "examples"
-MODULES = ("kvhex_fifo", "kvhex_shadow", "kvhex_sqlite", "kvhex_counting")
+MODULES = ("kvhex_fifo", "kvhex_shadow", "kvhex_sqlite", "kvhex_counting", "kvhex_zlib")
 """Forgotten when a site leaves sys.path."""
 
 
@@ -123,6 +123,12 @@ def counting_site(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return _install(EXAMPLES / "kvhex-counting-transfer", tmp_path_factory.mktemp("counting-site"))
 
 
+@pytest.fixture(scope="session")
+def zlib_site(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The worked example codec, installed as a user would install it."""
+    return _install(EXAMPLES / "kvhex-zlib-codec", tmp_path_factory.mktemp("zlib-site"))
+
+
 def _on_path(site: Path) -> Iterator[Path]:
     sys.path.insert(0, str(site))
     try:
@@ -151,3 +157,8 @@ def with_sqlite(sqlite_site: Path) -> Iterator[Path]:
 @pytest.fixture
 def with_counting(counting_site: Path) -> Iterator[Path]:
     yield from _on_path(counting_site)
+
+
+@pytest.fixture
+def with_zlib(zlib_site: Path) -> Iterator[Path]:
+    yield from _on_path(zlib_site)

@@ -21,6 +21,7 @@ from typing import Any, Union
 
 import attrs
 
+from kvhex.bootstrap.codecs import plan_codecs
 from kvhex.config.model import empty_url
 from kvhex.domain.tiers import Locality, Medium
 from kvhex.errors import ConfigError, ConfigIssue, PluginError, TierUnavailable
@@ -210,6 +211,12 @@ def plan_tier(
     kwargs: dict[str, Any] = {}
     issues = empty_url(options, paths.option("url"))
     for key, value in options.items():
+        if key == "codec":  # names -> a chain, built now: a bad one never half-starts
+            kwargs[key], found = plan_codecs(
+                registry, value, options.get("namespace"), paths.option(key)
+            )
+            issues += found
+            continue
         try:
             kwargs[key] = _tier_value(key, value)
         except ValueError as exc:

@@ -113,6 +113,20 @@ def _options(value: Any) -> Options:
     return Options(dict(value))
 
 
+CodecList = NewType("CodecList", list)  # type: ignore[type-arg]
+"""A tier's codec chain: ``kvhex.codecs`` entry-point names, or tables with a ``name``."""
+
+
+def _codec_list(value: Any) -> CodecList:
+    ok = isinstance(value, list) and all(
+        isinstance(v, str) or (isinstance(v, dict) and isinstance(v.get("name"), str))
+        for v in value
+    )
+    if not ok:
+        raise TypeError(f"expected a list of codec names (or tables with a name), got {value!r}")
+    return CodecList(list(value))
+
+
 def _locality(value: Any) -> Locality:
     if isinstance(value, Locality):
         return value
@@ -139,6 +153,7 @@ HINT = "hint"
 
 CHECKS: dict[Any, Callable[[Any], Any]] = {
     Options: _options,
+    CodecList: _codec_list,
     PositiveInt: _positive_int,
     NonNegativeInt: _non_negative_int,
     ByteCount: _byte_count,

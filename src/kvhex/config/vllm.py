@@ -22,6 +22,7 @@ from kvhex.config.model import (
     STORE_THRESHOLD_WITH_TIERS,
     BackpressureConfig,
     ByteCount,
+    CodecList,
     LoadingConfig,
     NonEmptyStr,
     NonNegativeInt,
@@ -95,6 +96,8 @@ class VllmTierOptions:
         peer_scan_interval_s: how often the other instances' blocks are looked for.
         medium: the medium the tier's events announce (default ``STORAGE``; ``DISK``,
             ``SHARED_STORAGE``, ...: what the routers reading them expect).
+        codec: the tier's codec chain (``["zstd"]``, ``["fp8", "zstd"]``, ``["aes-gcm"]``;
+            docs/codecs.md): ``fs`` and kvhex tiers that take one.
     """
 
     name: TierName | None = None
@@ -104,6 +107,7 @@ class VllmTierOptions:
     announce_peers: bool | None = None
     peer_scan_interval_s: float | None = None
     medium: str | None = None
+    codec: CodecList | None = None
 
 
 @attrs.frozen(kw_only=True)

@@ -7,6 +7,7 @@ tier itself drives it.
 """
 
 from kvhex.ports.capabilities import Closeable, TierHealth
+from kvhex.ports.codec import BlockCodec, CodecCorrupt, CodecRefused, RecordSealing
 from kvhex.ports.event_sink import EventSink
 from kvhex.ports.events import EventSource
 from kvhex.ports.host_buffer import HostBuffer
@@ -21,8 +22,11 @@ from kvhex.ports.tier_store import (
 from kvhex.ports.transfer import BlockTransfer
 
 __all__ = [
+    "BlockCodec",
     "BlockTransfer",
     "Closeable",
+    "CodecCorrupt",
+    "CodecRefused",
     "Deletes",
     "EventSink",
     "EventSource",
@@ -30,6 +34,7 @@ __all__ = [
     "Indexed",
     "Occupancy",
     "PeerView",
+    "RecordSealing",
     "RequestAware",
     "TierHealth",
     "TierStore",

@@ -23,8 +23,11 @@ runs every check of the contract against your plugin::
         def check_recovered(self, store):  # optional, CrashContract
             assert my_fsck(self.root).clean
 
-Three contracts ship, all run with pytest (``pip install 'kvhex[testing]'``):
+Four contracts ship, all run with pytest (``pip install 'kvhex[testing]'``):
 
+* ``CodecContract``: ``make_codec()`` (a ``kvhex.codecs`` codec): sizes honest, round trips
+  (stable decodes for a lossy codec, ``lossy = True``), input that is no encoding refused,
+  another tenant's or key's block refused by a keyed codec, threads, chains.
 * ``EvictionPolicyContract``: ``make_policy(capacity)``.
 * ``TierStoreContract``: ``make_store(host)``. The basic port checks, deletes naming a key
   twice, and the order checks of ``OrderContract`` (two jobs, or a job and a delete, on one
@@ -52,6 +55,7 @@ are public, for a tier's own checks. Class attributes size everything (``slot_by
 ``crash_run_s``, ...): a slow tier may lower them.
 """
 
+from kvhex.testing.codec_contract import CodecContract, codec_key, kv_like
 from kvhex.testing.policy_contract import EvictionPolicyContract, policy_key
 from kvhex.testing.tier_crash import CrashContract
 from kvhex.testing.tier_kit import TierKit, block_payload, tier_key
@@ -59,12 +63,15 @@ from kvhex.testing.tier_order import OrderContract
 from kvhex.testing.tier_store_contract import TierStoreContract
 
 __all__ = [
+    "CodecContract",
     "CrashContract",
     "EvictionPolicyContract",
     "OrderContract",
     "TierKit",
     "TierStoreContract",
     "block_payload",
+    "codec_key",
+    "kv_like",
     "policy_key",
     "tier_key",
 ]

@@ -140,7 +140,7 @@ def _tier(entry: VllmTierEntry, path: str, index: int) -> TierSettings:
     if entry.kvhex.capacity_bytes is not None:
         options["capacity_bytes"] = entry.kvhex.capacity_bytes
         keys["capacity_bytes"] = f"{kvhex}.capacity_bytes"
-    for key in ("announce_peers", "peer_scan_interval_s", "medium"):
+    for key in ("announce_peers", "peer_scan_interval_s", "medium", "codec"):
         value = getattr(entry.kvhex, key)
         if value is not None:
             options[key] = value

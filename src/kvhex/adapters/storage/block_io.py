@@ -106,9 +106,15 @@ class BlockIo(Protocol):
         """
         ...
 
-    def read_many(self, items: Sequence[tuple[OffloadKey, memoryview]]) -> list[Verdict]:
+    def read_many(
+        self, items: Sequence[tuple[OffloadKey, memoryview]], *, up_to: bool = False
+    ) -> list[Verdict]:
         """Read each key's block, its payload into the view, and verify it. A view whose
-        verdict is not ``OK`` holds undefined bytes.
+        verdict is not ``OK`` holds undefined bytes. ``up_to`` (a coded tier's reads,
+        :mod:`kvhex.adapters.codecs`): a view may be longer than its block's payload, which
+        then fills its start (``format.verify(..., up_to=True)``); without it a payload of
+        another length than its view's is corrupt. A data path that cannot read blocks of
+        varying length belongs to a tier that takes no codec.
 
         Raises:
             StoreLost: the storage is gone.
@@ -296,9 +302,13 @@ class ObjectMover(Protocol):
         object is never left half-written)."""
         ...
 
-    def get_objects(self, objects: Sequence[tuple[str, memoryview]]) -> list[bytes | None]:
+    def get_objects(
+        self, objects: Sequence[tuple[str, memoryview]], *, up_to: bool = False
+    ) -> list[bytes | None]:
         """Read each (path, view): the payload into the view; return the header area,
-        ``None`` when the object does not exist, ``b""`` when it is not a whole block."""
+        ``None`` when the object does not exist, ``b""`` when it is not a whole block.
+        ``up_to``: a block shorter than its view is whole too, and fills the view's start
+        (a coded tier's reads; a mover that cannot raises ``ValueError``)."""
         ...
 
     def close(self) -> None:

@@ -173,11 +173,18 @@ def holds_key(header: bytes, key: OffloadKey) -> bool:
 
 
 def verify(
-    header: bytes | None, key: OffloadKey, payload: memoryview, digest: int | None = None
+    header: bytes | None,
+    key: OffloadKey,
+    payload: memoryview,
+    digest: int | None = None,
+    *,
+    up_to: bool = False,
 ) -> Verdict:
     """What a read that returned ``header`` (``None``: no block there; ``b""``: cut short)
     and filled ``payload`` found under ``key``; ``digest`` is the payload's checksum when the
-    reader took it (by default taken here)."""
+    reader took it (by default taken here). ``up_to``: ``payload`` may be longer than the
+    block's (a coded tier's blocks vary in length, :mod:`kvhex.adapters.codecs`): the
+    header's length, at most the view's, says how much of it the checksum covers."""
     if header is None:
         return Verdict.MISSING
     parsed = parse_header(header)
@@ -187,6 +194,8 @@ def verify(
         return Verdict.MISSING  # the slot holds another block: a stale place
     if parsed.magic == bytes(len(MAGIC)):
         return Verdict.MISSING  # an unmarked (freed) slot
+    if up_to and parsed.length < len(payload):
+        payload, digest = payload[: parsed.length], None  # a reader's digest covers the view
     return Verdict.OK if header_matches(header, key, payload, digest) else Verdict.CORRUPT
 
 

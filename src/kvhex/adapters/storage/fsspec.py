@@ -16,9 +16,10 @@ input can name a path outside it. Local files are created ``0600`` and directori
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
+from kvhex.adapters.codecs.chain import CodecChain, as_chain
 from kvhex.adapters.storage.block_io import BlockIo
 from kvhex.adapters.storage.files._native import NativeUnavailable
 from kvhex.adapters.storage.files.posix import PosixSlotMover
@@ -38,6 +39,7 @@ from kvhex.adapters.storage.objects.io import ObjectIo
 from kvhex.adapters.storage.peers import check_peer_options
 from kvhex.adapters.storage.tier import BlockTierStore
 from kvhex.domain.tiers import Locality, Medium, TierIdentity
+from kvhex.ports.codec import BlockCodec
 from kvhex.ports.host_buffer import HostBuffer
 
 
@@ -72,6 +74,9 @@ class FsspecTierStore(BlockTierStore):
             block.
         peer_scan_interval_s: seconds between the scans of ``announce_peers`` (at most 3600;
             looked at when the tier is polled).
+        codec: codecs every block goes through on its IO thread (compression, quantization,
+            encryption; docs/codecs.md), in encoding order; blocks stored with another chain
+            live under another namespace digest.
 
     Raises:
         TypeError: ``announce_peers`` is not a ``bool`` or ``peer_scan_interval_s`` not a
@@ -105,9 +110,11 @@ class FsspecTierStore(BlockTierStore):
         native_io: bool | None = None,
         announce_peers: bool = False,
         peer_scan_interval_s: float = 1.0,
+        codec: CodecChain | Sequence[BlockCodec] | None = None,
     ) -> None:
         check_peer_options(announce_peers, peer_scan_interval_s)
-        block = check_sizes(host, capacity_bytes, io_threads)
+        chain = as_chain(codec)
+        block = check_sizes(host, capacity_bytes, io_threads, chain)
         blamed = StoreOptions.given(
             {"storage_options": storage_options},
             access_key="storage_options.key",
@@ -131,20 +138,37 @@ class FsspecTierStore(BlockTierStore):
             capacity_bytes = free_capacity(root, block, url=url, tier=name, options=blamed)
         capacity = capacity_bytes
 
+        opener = chain.record_sealer.open_record if chain and chain.record_sealer else None
+
         def make_io(base: str, config: bytes) -> BlockIo:
             if mover is not None:
                 slots = capacity // block
                 return SlabIo(
-                    base, block, slots, config=config, fsync=fsync, stripes=threads, mover=mover
+                    base,
+                    block,
+                    slots,
+                    config=config,
+                    fsync=fsync,
+                    stripes=threads,
+                    mover=mover,
+                    records_opener=opener,
                 )
-            return ObjectIo(fs, base, config=config)
+            return ObjectIo(fs, base, config=config, records_opener=opener)
 
         io = open_namespace(
-            make_io, root, namespace, host, url=url, tier=name, local=local, options=blamed
+            make_io,
+            root,
+            namespace,
+            host,
+            url=url,
+            tier=name,
+            local=local,
+            options=blamed,
+            codec=chain,
         )
         self.native_io = mover is not None and mover.native
         """Whether the native data path moves this tier's blocks."""
-        self.namespace = recorded_namespace(namespace, host)
+        self.namespace = recorded_namespace(namespace, host, chain)
         self.root = io_root(root, self.namespace)
         super().__init__(
             host,
@@ -155,4 +179,5 @@ class FsspecTierStore(BlockTierStore):
             io_threads=threads,
             announce_peers=announce_peers,
             peer_scan_interval_s=peer_scan_interval_s,
+            codec=chain,
         )

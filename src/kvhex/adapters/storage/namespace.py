@@ -21,6 +21,7 @@ import shutil
 from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
+from kvhex.adapters.codecs.chain import CodecChain
 from kvhex.adapters.storage.block_io import BlockIo, NamespaceConflict
 from kvhex.adapters.storage.format import HEADER_AREA, namespace_config, namespace_digest
 from kvhex.adapters.storage.objects._errors import StoreOptions, public_url, start_up_error
@@ -40,22 +41,40 @@ server, which must check what it is sent) would guard the same bytes twice: it i
 where an operation requires one (docs/tiers.md)."""
 
 
-def check_sizes(host: HostBuffer, capacity_bytes: int | None, io_threads: int | None) -> int:
+def check_sizes(
+    host: HostBuffer,
+    capacity_bytes: int | None,
+    io_threads: int | None,
+    codec: CodecChain | None = None,
+) -> int:
     """What a block costs in storage, once the sizes were checked (before any IO;
     ``capacity_bytes`` ``None``: the root's free space, checked by :func:`free_capacity`).
+    With a ``codec`` chain, a block holds its longest frame, rounded up to whole 4 KiB pages
+    (a slab's next block stays page-aligned): a quantizing chain's blocks cost less.
 
     Raises:
         ValueError: ``capacity_bytes`` holds no block, or ``io_threads`` is below 1.
     """
-    block = HEADER_AREA + host.slot_bytes
+    data = stored_bytes(host.slot_bytes, codec)
+    block = HEADER_AREA + data
     if capacity_bytes is not None and capacity_bytes < block:
+        coded = f", coded by {'+'.join(codec.names)}" if codec is not None else ""
         raise ValueError(
             f"capacity_bytes {capacity_bytes} holds no block of {block} bytes "
-            f"({host.slot_bytes} of KV data and a {HEADER_AREA}-byte header)"
+            f"({data} of KV data{coded} and a {HEADER_AREA}-byte header)"
         )
     if io_threads is not None and io_threads < 1:
         raise ValueError(f"io_threads must be >= 1, got {io_threads}")
     return block
+
+
+def stored_bytes(slot_bytes: int, codec: CodecChain | None) -> int:
+    """The room a block's payload takes after its header area: a host slot, or a codec
+    chain's longest frame rounded up to whole 4 KiB pages (a slab's next block stays
+    page-aligned)."""
+    if codec is None:
+        return slot_bytes
+    return -(-codec.max_stored_bytes(slot_bytes) // HEADER_AREA) * HEADER_AREA
 
 
 def default_io_threads(local: bool) -> int:
@@ -145,10 +164,18 @@ def free_capacity(root: str, block: int, *, url: str, tier: str, options: StoreO
     return free
 
 
-def recorded_namespace(namespace: Mapping[str, Any] | None, host: HostBuffer) -> dict[str, Any]:
-    """The namespace a tier records: the caller's, with the host slot size."""
+def recorded_namespace(
+    namespace: Mapping[str, Any] | None, host: HostBuffer, codec: CodecChain | None = None
+) -> dict[str, Any]:
+    """The namespace a tier records: the caller's, with the host slot size and, with a
+    codec chain, its description (blocks of another chain live under another digest) and
+    the room a block's payload takes (``stored_bytes``: what ``kvhex fsck`` sizes slots by,
+    without the codecs or their keys)."""
     ns = dict(namespace or {})
     ns.setdefault("slot_bytes", host.slot_bytes)
+    if codec is not None:
+        ns["codec"] = codec.description
+        ns["stored_bytes"] = stored_bytes(host.slot_bytes, codec)
     return ns
 
 
@@ -167,18 +194,20 @@ def open_namespace(
     tier: str,
     local: bool,
     options: StoreOptions,
+    codec: CodecChain | None = None,
 ) -> IoT:
     """Build the data path of ``namespace`` under ``root`` with ``make_io(base, config)``.
 
     Args:
         local: ``root`` is a local directory (its ``OSError`` named by its reason).
         options: the tier's options a failure blames.
+        codec: the tier's codec chain, recorded in the namespace.
 
     Raises:
         TierUnavailable: the namespace records another configuration, or the storage cannot
             be used (the cause named, no credential in the message).
     """
-    ns = recorded_namespace(namespace, host)
+    ns = recorded_namespace(namespace, host, codec)
     base = io_root(root, ns)
     try:
         return make_io(base, namespace_config(ns))

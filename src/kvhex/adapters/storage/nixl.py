@@ -370,10 +370,15 @@ class NixlObjectMover:
             errors.extend(None if ok else "NIXL OBJ write failed" for _ in batch)
         return errors
 
-    def get_objects(self, objects: Sequence[tuple[str, memoryview]]) -> list[bytes | None]:
+    def get_objects(
+        self, objects: Sequence[tuple[str, memoryview]], *, up_to: bool = False
+    ) -> list[bytes | None]:
         """Each object whole into the staging area (one request each), a batch per transfer,
         then its payload into its view; a batch that fails is read again object by object, so
-        one missing object fails only itself."""
+        one missing object fails only itself. Transfers have fixed lengths: no ``up_to``
+        (the NIXL tier takes no codec)."""
+        if up_to:
+            raise ValueError("NIXL's object mover reads blocks of one length only")
         nixl = self.agents.get()
         out: list[bytes | None] = [None] * len(objects)
         indexed = list(enumerate(objects))

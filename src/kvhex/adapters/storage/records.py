@@ -34,13 +34,14 @@ from __future__ import annotations
 import struct
 import sys
 from array import array
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from kvhex.adapters.storage.format import KeptRecord, kept_record, record_room
 from kvhex.domain.keys import GROUP_IDX_BYTES, OffloadKey
 from kvhex.domain.locator import ChunkRecord, describe, spans
 from kvhex.domain.request import ReqContext
+from kvhex.ports.codec import RecordSealing
 
 VERSION = 1
 MAX_DEPTH = 8
@@ -92,6 +93,19 @@ def encode_records(
         data = encode_record(record, key)
         if data is not None:
             out[key] = data
+    return out
+
+
+def sealed_records(
+    encoded: dict[OffloadKey, bytes], sealer: RecordSealing
+) -> dict[OffloadKey, bytes]:
+    """``encoded`` records sealed by a keyed codec (an IO thread), those that still fit a
+    header area (a record too long once sealed is not kept: a placeholder later)."""
+    out = {}
+    for key, data in encoded.items():
+        sealed = sealer.seal_record(data, key)
+        if len(sealed) <= record_room(len(key)):
+            out[key] = sealed
     return out
 
 
@@ -298,8 +312,22 @@ class _Reader:
         raise _Bad
 
 
-def header_record(header: bytes, key: OffloadKey) -> ChunkRecord | None:
+RecordOpener = Callable[[bytes, OffloadKey], bytes | None]
+"""Opens a sealed record (``RecordSealing.open_record``) for a tier whose codec chain seals
+them; ``None`` when it does not open."""
+
+
+def header_record(
+    header: bytes, key: OffloadKey, opener: RecordOpener | None = None
+) -> ChunkRecord | None:
     """The record ``key``'s block keeps in its header area ``header``, or ``None`` (none
-    kept, damaged, or not a record of ``key``)."""
+    kept, damaged, not a record of ``key``, or sealed and not opened by ``opener``)."""
     state, data = kept_record(header)
-    return decode_record(data, key) if state is KeptRecord.INTACT else None
+    if state is not KeptRecord.INTACT:
+        return None
+    if opener is not None:
+        opened = opener(data, key)
+        if opened is None:
+            return None
+        data = opened
+    return decode_record(data, key)

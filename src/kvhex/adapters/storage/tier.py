@@ -24,6 +24,11 @@ What the residency decides on the scheduler thread, the IO threads carry out:
   block's header, so a restart announces adopted blocks in full, and with ``announce_peers``
   the tier also announces the blocks other instances hold on the same storage under its
   ``peer_identity`` (:mod:`kvhex.adapters.storage.peers`).
+* Codecs: with a ``codec`` chain (:mod:`kvhex.adapters.codecs`) a put encodes each block on
+  its IO thread for the tenant (cache salt) of the job's request, and a get reads each block
+  (up to the chain's longest) into a scratch buffer and decodes it into its host slot. A
+  block a keyed codec refuses for the asking request (another tenant's) fails that get and
+  stays, announced as before; a block that does not decode is corrupt.
 
 Threads: submissions, ``poll``, ``delete`` and every use of the residency and the event list
 run on the scheduler thread only; IO runs on a pool of ``io_threads`` and never touches them.
@@ -33,10 +38,11 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable, Sequence
-from typing import TypeVar
+from typing import NamedTuple, TypeVar
 
 import structlog
 
+from kvhex.adapters.codecs.chain import CodecChain
 from kvhex.adapters.storage._io_pool import IoPool, IoTask, TaskCancelled
 from kvhex.adapters.storage.adoption import Adoption, described
 from kvhex.adapters.storage.block_io import (
@@ -52,14 +58,16 @@ from kvhex.adapters.storage.block_io import (
 )
 from kvhex.adapters.storage.format import Verdict
 from kvhex.adapters.storage.peers import PeerScan
-from kvhex.adapters.storage.records import chunk_records, encode_records
+from kvhex.adapters.storage.records import chunk_records, encode_records, sealed_records
 from kvhex.domain.events import Stored, TierEvent
 from kvhex.domain.jobs import JobKind, JobResult, TierJob
 from kvhex.domain.keys import OffloadKey
 from kvhex.domain.locator import ChunkRecord
+from kvhex.domain.request import ReqContext
 from kvhex.domain.residency import Reservation, Residency, Snapshot
 from kvhex.domain.tiers import TierIdentity
 from kvhex.errors import TierUnavailable
+from kvhex.ports.codec import CodecCorrupt, CodecRefused
 from kvhex.ports.host_buffer import HostBuffer
 
 log = structlog.get_logger(__name__)
@@ -68,10 +76,19 @@ T = TypeVar("T")
 
 _PutOutcome = tuple[list[OffloadKey], list[OffloadKey], str | None]
 """A put's IO: the keys written, the keys found lost (and written again), the first error."""
-_GetOutcome = tuple[list[OffloadKey], list[OffloadKey], list[OffloadKey]]
-"""A get's IO: the keys read and verified, found corrupt, found missing."""
+_GetOutcome = tuple[list[OffloadKey], list[OffloadKey], list[OffloadKey], list[OffloadKey]]
+"""A get's IO: the keys read and verified, found corrupt, found missing, refused by a keyed
+codec (another tenant's blocks: left in place)."""
 _ProbeOutcome = frozenset[OffloadKey]
 """A probe's IO: the keys found."""
+
+
+class _Origin(NamedTuple):
+    """What a put's request gives its blocks: their chunk records (``None``: no request)
+    and the tenant a keyed codec seals them for."""
+
+    records: dict[OffloadKey, ChunkRecord] | None
+    tenant: str | None
 
 
 class _Job:
@@ -98,6 +115,8 @@ class BlockTierStore:
         announce_peers: also announce the blocks other instances hold on the same storage,
             under :attr:`peer_identity` (``io`` must list them: local slabs and objects do).
         peer_scan_interval_s: seconds between the scans of the peer view.
+        codec: the chain coding every block (``block_bytes`` then sized by its longest
+            frame); ``io`` must read blocks of varying length (``read_many(up_to=True)``).
 
     Raises:
         ValueError: ``capacity_bytes`` holds no block, or ``announce_peers`` on an ``io``
@@ -115,9 +134,15 @@ class BlockTierStore:
         io_threads: int,
         announce_peers: bool = False,
         peer_scan_interval_s: float = 1.0,
+        codec: CodecChain | None = None,
     ) -> None:
         self._host = host
         self._io = io
+        self.codec = codec
+        """The chain coding this tier's blocks (``None``: stored as the host holds them)."""
+        self._frame_bytes = codec.max_stored_bytes(host.slot_bytes) if codec else 0
+        self.refused_blocks = 0
+        """Blocks a keyed codec refused to a request (another tenant's, or another key's)."""
         self._identity = identity
         self._name = identity.ownership or "tier"
         self._peer_identity = TierIdentity(
@@ -235,7 +260,9 @@ class BlockTierStore:
             waits += {leaving[k] for k in owned if k in leaving}
         victims = list(reservation.victims)
         records = chunk_records(job.ctx, [k for k, _ in (*writes, *checks)])
-        task = self._pool.submit(self._do_put, writes, checks, victims, waits, records)
+        task = self._pool.submit(
+            self._do_put, writes, checks, victims, waits, _Origin(records, _tenant(job.ctx))
+        )
         self._remove_later(victims, task)
         self._puts[task] = _Job(job, reservation)
 
@@ -244,7 +271,8 @@ class BlockTierStore:
         self._check_open(job, JobKind.GET)
         snapshot = self._index.snapshot(job.keys, pin=True)
         items = [(k, s) for k, s in zip(job.keys, job.slots, strict=True) if self._readable_now(k)]
-        self._gets[self._pool.submit(self._do_get, items)] = _Job(job, snapshot)
+        task = self._pool.submit(self._do_get, items, _tenant(job.ctx))
+        self._gets[task] = _Job(job, snapshot)
 
     def held_now(self, key: OffloadKey) -> bool | None:
         """``Indexed``: on storage whose blocks only this instance removes, a key its index
@@ -531,8 +559,13 @@ class BlockTierStore:
         if isinstance(outcome, Exception):
             self._index.release(snapshot)
             return JobResult(job.job_id, False, seconds=seconds, error=_describe(outcome))
-        ok, corrupt, missing = outcome
+        ok, corrupt, missing, refused = outcome
         dropped = self._index.release(snapshot, ok, corrupt + missing, job.ctx)
+        if refused:
+            self.refused_blocks += len(refused)
+            log.warning(
+                "tier_block_refused", tier=self._name, job_id=job.job_id, blocks=len(refused)
+            )
         if self._peers is not None and (corrupt or missing):
             # a block not this instance's when the read started is another's: the view
             # drops it
@@ -555,7 +588,8 @@ class BlockTierStore:
             ok_keys=frozenset(ok),
             nbytes=nbytes,
             seconds=seconds,
-            error=f"{len(job.keys) - len(ok)} of {len(job.keys)} blocks missing or corrupt",
+            error=f"{len(job.keys) - len(ok)} of {len(job.keys)} blocks missing, corrupt "
+            "or refused",
         )
 
     def _apply_probe(self, entry: _Job, task: IoTask[_ProbeOutcome]) -> JobResult:
@@ -586,10 +620,14 @@ class BlockTierStore:
         checks: list[tuple[OffloadKey, int]],
         victims: list[OffloadKey],
         waits: list[IoTask[None] | IoTask[_PutOutcome]],
-        records: dict[OffloadKey, ChunkRecord] | None,
+        origin: _Origin,
     ) -> _PutOutcome:
         self._pool.wait(waits)  # removals submitted earlier: they hold a thread or are done
-        encoded = encode_records(records)
+        encoded = encode_records(origin.records)
+        chain = self.codec
+        if encoded and chain is not None and chain.record_sealer is not None:
+            encoded = sealed_records(encoded, chain.record_sealer)
+        tenant = origin.tenant
         lost: list[OffloadKey] = []
         if checks:
             there = self._io.exists_many([k for k, _ in checks])
@@ -597,24 +635,49 @@ class BlockTierStore:
             lost = [k for k, _ in redo]
             writes = writes + redo
         view = self._host.slot_view
-        errors = self._io.write_many([(k, view(s)) for k, s in writes], victims, encoded)
+        if chain is None:
+            items = [(k, view(s)) for k, s in writes]
+        else:
+            items = [(k, memoryview(chain.encode(view(s), k, tenant))) for k, s in writes]
+        errors = self._io.write_many(items, victims, encoded)
         written = [k for (k, _), err in zip(writes, errors, strict=True) if err is None]
         return written, lost, next((e for e in errors if e is not None), None)
 
-    def _do_get(self, items: list[tuple[OffloadKey, int]]) -> _GetOutcome:
+    def _do_get(self, items: list[tuple[OffloadKey, int]], tenant: str | None) -> _GetOutcome:
         view = self._host.slot_view
-        verdicts = self._io.read_many([(k, view(s)) for k, s in items])
+        chain = self.codec
         ok: list[OffloadKey] = []
         corrupt: list[OffloadKey] = []
         missing: list[OffloadKey] = []
+        refused: list[OffloadKey] = []
+        if chain is None:
+            verdicts = self._io.read_many([(k, view(s)) for k, s in items])
+        else:  # each block into a scratch frame of the longest length, then decoded
+            size = self._frame_bytes
+            scratch = memoryview(bytearray(size * len(items)))
+            frames = [scratch[i * size : (i + 1) * size] for i in range(len(items))]
+            verdicts = self._io.read_many(
+                [(k, f) for (k, _), f in zip(items, frames, strict=True)], up_to=True
+            )
+            for i, ((key, slot), verdict) in enumerate(zip(items, verdicts, strict=True)):
+                if verdict is not Verdict.OK:
+                    continue
+                try:
+                    chain.decode(frames[i], view(slot), key, tenant)
+                except CodecRefused:
+                    refused.append(key)
+                except CodecCorrupt:
+                    verdicts[i] = Verdict.CORRUPT
         for (key, _), verdict in zip(items, verdicts, strict=True):
+            if refused and key in refused:
+                continue
             if verdict is Verdict.OK:
                 ok.append(key)
             elif verdict is Verdict.CORRUPT:
                 corrupt.append(key)
             else:
                 missing.append(key)
-        return ok, corrupt, missing
+        return ok, corrupt, missing, refused
 
     def _do_probe(self, known: _ProbeOutcome, asked: list[OffloadKey]) -> _ProbeOutcome:
         return known | frozenset(self._io.exists_many(asked)) if asked else known
@@ -623,6 +686,12 @@ class BlockTierStore:
 ALONE_CHECK_S = 1.0
 """How often a file tier looks for another instance's slabs on its root (a directory listing
 on an IO thread); until it sees one, its own index answers lookups' misses."""
+
+
+def _tenant(ctx: ReqContext | None) -> str | None:
+    """The cache salt of ``ctx``'s request: whose key a keyed codec seals its blocks with."""
+    prov = ctx.provenance if ctx is not None else None
+    return prov.cache_salt if prov is not None else None
 
 
 def _describe(exc: BaseException) -> str:

@@ -10,7 +10,11 @@ from collections.abc import Iterator
 
 import pytest
 
+from kvhex.adapters.codecs.aesgcm import KEY_ENV, AesGcmCodec
+from kvhex.adapters.codecs.chain import CodecChain
+from kvhex.adapters.codecs.lossless import ZstdCodec
 from kvhex.adapters.storage.format import HEADER_AREA
+from kvhex.adapters.storage.namespace import check_sizes
 from kvhex.adapters.storage.valkey.tier import ValkeyTierStore
 from kvhex.ports.host_buffer import HostBuffer
 from kvhex.ports.tier_store import TierStore
@@ -67,3 +71,28 @@ class TestValkeyCluster(_Valkey, TierStoreContract, CrashContract):
         self.url = f"valkey://{seeds}/kv-{uuid.uuid4().hex[:8]}"
         yield
         flush([n.port for n in valkey_cluster])
+
+
+class TestValkeyCodedStandalone(_Valkey, TierStoreContract):
+    """Coded frames (zstd, then AES-GCM) in Valkey values shorter than a slot."""
+
+    @pytest.fixture(autouse=True)
+    def _prefix(self, valkey_standalone: Server, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+        monkeypatch.setenv(KEY_ENV, "7e" * 32)
+        self.url = f"valkey://127.0.0.1:{valkey_standalone.port}/kv-{uuid.uuid4().hex[:8]}"
+        self.password = PASSWORD
+        yield
+        flush([valkey_standalone.port], password=PASSWORD)
+
+    def make_sized_store(self, host: HostBuffer, capacity_blocks: int) -> TierStore:
+        chain = CodecChain([ZstdCodec(), AesGcmCodec()])
+        return started(
+            ValkeyTierStore(
+                host,
+                self.url,
+                capacity_bytes=capacity_blocks * check_sizes(host, None, None, chain),
+                namespace=NS,
+                password=self.password,
+                codec=chain,
+            )
+        )

@@ -207,6 +207,13 @@ class _Checker:
     ok: int = 0
     slab_count: int = 0
     slab_bytes: int = 0
+    coded: bool = False
+    """The namespace's blocks are coded frames (its config names a codec chain): a block's
+    payload may be shorter than its slot; its checksum is checked, its decoding is not (that
+    takes the codecs and their keys)."""
+    sealed: bool = False
+    """The blocks' records are sealed by a keyed codec: their integrity (CRC-32) is checked,
+    what they hold is not."""
 
     def run(self) -> NamespaceReport:
         config = self._config()
@@ -265,10 +272,16 @@ class _Checker:
                 f"layout version {layout!r}; this kvhex checks version {LAYOUT_VERSION}"
             )
             return None
-        slot_bytes = config.get("slot_bytes")
+        field = "stored_bytes" if "codec" in config else "slot_bytes"
+        slot_bytes = config.get(field)
         if not isinstance(slot_bytes, int) or isinstance(slot_bytes, bool) or slot_bytes <= 0:
-            self.problems.append(f"{CONFIG} records no valid slot_bytes ({slot_bytes!r})")
+            self.problems.append(f"{CONFIG} records no valid {field} ({slot_bytes!r})")
             return None
+        self.coded = field == "stored_bytes"
+        chain = config.get("codec")
+        self.sealed = isinstance(chain, list) and any(
+            isinstance(c, dict) and c.get("records") == "sealed" for c in chain
+        )
         return slot_bytes
 
     def _foreign_entries(self) -> None:
@@ -337,11 +350,18 @@ class _Checker:
     def _verify(self, key: bytes, data: bytes, slot_bytes: int, slab: str, slot: int) -> None:
         header = data[:HEADER_AREA]
         payload = memoryview(data)[HEADER_AREA:]
+        if self.coded:  # a frame, up to the slot's length
+            parsed = parse_header(header)
+            if parsed is not None and 0 < parsed.length <= len(payload) == slot_bytes:
+                payload = payload[: parsed.length]
+                slot_bytes = parsed.length
         if len(payload) == slot_bytes and header_matches(header, OffloadKey(key), payload):
             self.ok += 1
             state, record = kept_record(header)
             if state is KeptRecord.DAMAGED or (
-                state is KeptRecord.INTACT and decode_record(record, OffloadKey(key)) is None
+                state is KeptRecord.INTACT
+                and not self.sealed
+                and decode_record(record, OffloadKey(key)) is None
             ):
                 self.bad_records.append(BadRecord(key.hex(), slab, slot))
             return
@@ -353,7 +373,7 @@ class _Checker:
         if (
             header is not None
             and header.magic == MAGIC
-            and header.length == slot_bytes
+            and (header.length == slot_bytes or (self.coded and 0 < header.length < slot_bytes))
             and len(header.key) > 4
         ):
             self.orphans.append(Orphan(header.key.hex(), slab, slot))

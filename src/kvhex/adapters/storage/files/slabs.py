@@ -78,7 +78,7 @@ from kvhex.adapters.storage.format import (
     holds_key,
     verify,
 )
-from kvhex.adapters.storage.records import header_record
+from kvhex.adapters.storage.records import RecordOpener, header_record
 from kvhex.domain.keys import OffloadKey
 from kvhex.domain.locator import ChunkRecord
 
@@ -125,6 +125,7 @@ class SlabIo:
         fsync: flush each job's blocks to the device before publishing them.
         stripes: spread the capacity over at least this many slab files.
         mover: copies blocks into and out of slots (default: POSIX ``pwritev``/``preadv``).
+        records_opener: opens the sealed records of a tier whose codec chain seals them.
 
     Raises:
         NamespaceConflict: ``config.json`` records another configuration.
@@ -146,8 +147,10 @@ class SlabIo:
         fsync: bool = False,
         stripes: int = 1,
         mover: SlotMover | None = None,
+        records_opener: RecordOpener | None = None,
     ) -> None:
         self.root = root
+        self._open_record = records_opener
         self.slab_dir = os.path.join(root, SLAB_DIR)
         self.slot_size = slot_size
         self.max_slots = max_slots
@@ -427,15 +430,19 @@ class SlabIo:
                     out[i] = (fd, base + slot * size)
         return out
 
-    def read_many(self, items: Sequence[tuple[OffloadKey, memoryview]]) -> list[Verdict]:
-        """Read and verify each key's block (this instance's or another's)."""
+    def read_many(
+        self, items: Sequence[tuple[OffloadKey, memoryview]], *, up_to: bool = False
+    ) -> list[Verdict]:
+        """Read and verify each key's block (this instance's or another's). A slot holds
+        the longest block, so ``up_to`` reads each whole slot and the header says how much
+        of it is the block's."""
         places = self._locate([key for key, _ in items])
         located = [(i, place) for i, place in enumerate(places) if place is not None]
         read = self.mover.read_slots([(fd, off, items[i][1]) for i, (fd, off) in located])
         verdicts = [Verdict.MISSING] * len(items)
         for (i, _), (header, digest) in zip(located, read, strict=True):
             key, view = items[i]
-            verdicts[i] = verify(header, key, view, digest)
+            verdicts[i] = verify(header, key, view, digest, up_to=up_to)
         return verdicts
 
     def read_records(self, keys: Sequence[OffloadKey]) -> dict[OffloadKey, ChunkRecord | None]:
@@ -452,7 +459,7 @@ class SlabIo:
             except OSError:  # a peer's slab closed meanwhile: nothing known of it
                 continue
             if holds_key(header, key):
-                out[key] = header_record(header, key)
+                out[key] = header_record(header, key, self._open_record)
         return out
 
     def peer_keys(self) -> set[OffloadKey]:

@@ -46,7 +46,7 @@ from kvhex.adapters.storage.block_io import (
 from kvhex.adapters.storage.format import CONFIG, HEADER_AREA, Verdict, holds_key, verify
 from kvhex.adapters.storage.objects._errors import store_error
 from kvhex.adapters.storage.objects.mover import FsspecObjectMover, exists_paths
-from kvhex.adapters.storage.records import header_record
+from kvhex.adapters.storage.records import RecordOpener, header_record
 from kvhex.domain.keys import OffloadKey
 from kvhex.domain.locator import ChunkRecord
 
@@ -84,9 +84,16 @@ class ObjectIo:
     """A block's chunk record costs a ranged GET."""
 
     def __init__(
-        self, fs: Any, root: str, *, config: bytes, mover: ObjectMover | None = None
+        self,
+        fs: Any,
+        root: str,
+        *,
+        config: bytes,
+        mover: ObjectMover | None = None,
+        records_opener: RecordOpener | None = None,
     ) -> None:
         self.fs = fs
+        self._open_record = records_opener
         self.root = root
         self.url = fs.unstrip_protocol(root)
         """The namespace as a URL (``s3://bucket/prefix/digest``), named in job errors."""
@@ -182,12 +189,15 @@ class ObjectIo:
             self._record.check()
         return errors
 
-    def read_many(self, items: Sequence[tuple[OffloadKey, memoryview]]) -> list[Verdict]:
-        """GET and verify each block (one concurrent batch)."""
+    def read_many(
+        self, items: Sequence[tuple[OffloadKey, memoryview]], *, up_to: bool = False
+    ) -> list[Verdict]:
+        """GET and verify each block (one concurrent batch), up to each view's length with
+        ``up_to``."""
         if not items:
             return []
-        headers = self.mover.get_objects([(self.path(k), v) for k, v in items])
-        verdicts = [verify(h, k, v) for h, (k, v) in zip(headers, items, strict=True)]
+        headers = self.mover.get_objects([(self.path(k), v) for k, v in items], up_to=up_to)
+        verdicts = [verify(h, k, v, up_to=up_to) for h, (k, v) in zip(headers, items, strict=True)]
         if Verdict.MISSING in verdicts:
             self._record.check()
         return verdicts
@@ -231,7 +241,7 @@ class ObjectIo:
             if isinstance(header, BaseException):
                 raise store_error(header, self.url) from header
             if holds_key(header, key):
-                out[key] = header_record(header, key)
+                out[key] = header_record(header, key, self._open_record)
         return out
 
     def peer_keys(self) -> set[OffloadKey]:

@@ -86,9 +86,11 @@ class FsspecObjectMover:
         self._judge(direct, refused and any(why is None for why in out))
         return out
 
-    def get_objects(self, objects: Sequence[tuple[str, memoryview]]) -> list[bytes | None]:
+    def get_objects(
+        self, objects: Sequence[tuple[str, memoryview]], *, up_to: bool = False
+    ) -> list[bytes | None]:
         """GET every object; the header of each whole block, ``None`` if absent, ``b""`` if
-        not a whole block.
+        not a whole block (with ``up_to``, a block shorter than its view fills its start).
 
         Raises:
             StoreLost: the bucket is gone.
@@ -96,12 +98,12 @@ class FsspecObjectMover:
         """
         direct = self._direct_requests()
         if direct is None:
-            return self._cat(objects)
-        out = direct.read(objects)
+            return self._cat(objects, up_to)
+        out = direct.read(objects, up_to=up_to)
         refused = all(got is REFUSED for got in out)
         rest = [i for i, got in enumerate(out) if got is FALLBACK or got is REFUSED]
         if rest:
-            for i, got in zip(rest, self._cat([objects[i] for i in rest]), strict=True):
+            for i, got in zip(rest, self._cat([objects[i] for i in rest], up_to), strict=True):
                 out[i] = got
         # s3fs found what the server refused the tier's own GETs
         self._judge(direct, refused and any(got is not None for got in out))
@@ -159,7 +161,7 @@ class FsspecObjectMover:
             return [None if path in landed else str(failure) for path, _, _ in objects]
         return [None] * len(objects)
 
-    def _cat(self, objects: Sequence[tuple[str, memoryview]]) -> list[bytes | None]:
+    def _cat(self, objects: Sequence[tuple[str, memoryview]], up_to: bool) -> list[bytes | None]:
         """:meth:`get_objects` through one s3fs ``cat``."""
         paths = [path for path, _ in objects]
         try:
@@ -173,10 +175,12 @@ class FsspecObjectMover:
                 out.append(None)
             elif isinstance(data, BaseException):
                 raise store_error(data, self.url) from data
-            elif len(data) != HEADER_AREA + len(view):
+            elif len(data) != HEADER_AREA + len(view) and not (
+                up_to and HEADER_AREA < len(data) < HEADER_AREA + len(view)
+            ):
                 out.append(b"")
             else:
-                view[:] = memoryview(data)[HEADER_AREA:]  # one copy, not two
+                view[: len(data) - HEADER_AREA] = memoryview(data)[HEADER_AREA:]  # one copy
                 out.append(bytes(data[:HEADER_AREA]))
         return out
 

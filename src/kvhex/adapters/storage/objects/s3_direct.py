@@ -184,17 +184,20 @@ class DirectS3:
             timeout=timeout or _TIMEOUT_S,
         )
 
-    def read(self, objects: Sequence[tuple[str, memoryview]]) -> list[Any]:
+    def read(self, objects: Sequence[tuple[str, memoryview]], *, up_to: bool = False) -> list[Any]:
         """GET each (path, view): per object the header area of a whole block (its payload in
-        the view), ``None`` for a missing key, ``b""`` for an object that is not a whole
-        block, or :data:`FALLBACK` (left to s3fs: any other answer or failure)."""
+        the view; with ``up_to`` a payload shorter than the view fills its start), ``None``
+        for a missing key, ``b""`` for an object that is not a whole block, or
+        :data:`FALLBACK` (left to s3fs: any other answer or failure)."""
         credentials = self._credentials()
         if credentials is FALLBACK:
             return [FALLBACK] * len(objects)
 
         def get(one: tuple[str, memoryview]) -> Any:
             path, view = one
-            return self._get(path, view, credentials) if _PLAIN_PATH.fullmatch(path) else FALLBACK
+            if not _PLAIN_PATH.fullmatch(path):
+                return FALLBACK
+            return self._get(path, view, credentials, up_to)
 
         if len(objects) == 1:
             return [get(objects[0])]
@@ -241,14 +244,14 @@ class DirectS3:
             log.debug("s3_direct_unavailable", error=type(exc).__name__)
             return FALLBACK
 
-    def _get(self, path: str, view: memoryview, credentials: Any) -> Any:
+    def _get(self, path: str, view: memoryview, credentials: Any, up_to: bool) -> Any:
         headers = self._signed("GET", path, credentials)
         for attempt in (0, 1):  # a kept-alive connection the server closed meanwhile: once more
             conn = self._connection(fresh=attempt > 0)
             try:
                 conn.request("GET", f"/{path}", headers=headers)
                 response = conn.getresponse()
-                return self._answer(response, view, conn)
+                return self._answer(response, view, conn, up_to)
             except (http.client.RemoteDisconnected, ConnectionResetError, BrokenPipeError):
                 conn.close()  # tried once more on a fresh connection, then left to s3fs
             except (OSError, http.client.HTTPException):
@@ -287,9 +290,17 @@ class DirectS3:
         return FALLBACK
 
     def _answer(
-        self, response: http.client.HTTPResponse, view: memoryview, conn: http.client.HTTPConnection
+        self,
+        response: http.client.HTTPResponse,
+        view: memoryview,
+        conn: http.client.HTTPConnection,
+        up_to: bool,
     ) -> Any:
         length = response.getheader("Content-Length")
+        if up_to and length is not None and length.isdigit():
+            size = int(length) - HEADER_AREA
+            if 0 < size < len(view):
+                view, length = view[:size], str(HEADER_AREA + size)  # a shorter coded block
         if response.status == 200 and length == str(HEADER_AREA + len(view)):
             header = bytearray(HEADER_AREA)
             if _fill(response, memoryview(header)) and _fill(response, view):

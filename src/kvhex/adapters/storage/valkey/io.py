@@ -51,7 +51,7 @@ from kvhex.adapters.storage.format import (
     pack_header,
     verify,
 )
-from kvhex.adapters.storage.records import header_record
+from kvhex.adapters.storage.records import RecordOpener, header_record
 from kvhex.adapters.storage.valkey._client import Parts, safe_text
 from kvhex.domain.keys import OffloadKey
 from kvhex.domain.locator import ChunkRecord
@@ -88,8 +88,17 @@ class ValkeyIo:
     records_by_request = True
     """A block's chunk record costs a ``GETRANGE``."""
 
-    def __init__(self, client: Any, base: str, *, config: bytes, where: str) -> None:
+    def __init__(
+        self,
+        client: Any,
+        base: str,
+        *,
+        config: bytes,
+        where: str,
+        records_opener: RecordOpener | None = None,
+    ) -> None:
         self.client = client
+        self._open_record = records_opener
         self.base = base
         self.where = where
         self.config = config
@@ -177,7 +186,9 @@ class ValkeyIo:
             self._record.check()
         return errors
 
-    def read_many(self, items: Sequence[tuple[OffloadKey, memoryview]]) -> list[Verdict]:
+    def read_many(
+        self, items: Sequence[tuple[OffloadKey, memoryview]], *, up_to: bool = False
+    ) -> list[Verdict]:
         """``GET`` every block in one pipeline, copy each payload into its view and verify
         it.
 
@@ -193,13 +204,14 @@ class ValkeyIo:
             if value is None:
                 verdicts.append(Verdict.MISSING)
                 continue
-            if len(value) != HEADER_AREA + len(view):
+            size = len(value) - HEADER_AREA
+            if size != len(view) and not (up_to and 0 < size < len(view)):
                 verdicts.append(
                     Verdict.CORRUPT if holds_key(value[:HEADER_AREA], key) else Verdict.MISSING
                 )
                 continue
             payload = memoryview(value)[HEADER_AREA:]
-            view[:] = payload
+            view[:size] = payload
             verdicts.append(verify(value[:HEADER_AREA], key, payload))
         if Verdict.MISSING in verdicts:
             self._record.check()
@@ -240,7 +252,7 @@ class ValkeyIo:
             return {}
         headers = self._run([("getrange", self.name(k), 0, HEADER_AREA - 1) for k in keys])
         return {
-            key: header_record(header, key)
+            key: header_record(header, key, self._open_record)
             for key, header in zip(keys, headers, strict=True)
             if header and holds_key(header, key)
         }

@@ -23,6 +23,7 @@ from typing import Any, Literal
 
 import structlog
 
+from kvhex.adapters.codecs.chain import CodecChain, as_chain
 from kvhex.adapters.storage.block_io import NamespaceConflict
 from kvhex.adapters.storage.format import namespace_config, namespace_digest
 from kvhex.adapters.storage.namespace import check_sizes, io_root, recorded_namespace
@@ -40,6 +41,7 @@ from kvhex.domain.jobs import JobResult
 from kvhex.domain.keys import OffloadKey
 from kvhex.domain.tiers import Locality, Medium, TierIdentity
 from kvhex.errors import TierUnavailable
+from kvhex.ports.codec import BlockCodec
 from kvhex.ports.host_buffer import HostBuffer
 
 log = structlog.get_logger(__name__)
@@ -79,6 +81,9 @@ class ValkeyTierStore(BlockTierStore):
         announce_peers: also announce the blocks other instances hold under the same prefix
             and namespace, under :attr:`peer_identity` (a ``SCAN`` of every primary each
             ``peer_scan_interval_s``, at most 3600).
+        codec: codecs every block goes through on its IO thread (compression, quantization,
+            encryption; docs/codecs.md), in encoding order; blocks stored with another chain
+            live under another namespace digest.
 
     Raises:
         TypeError: ``announce_peers`` is not a ``bool`` or ``peer_scan_interval_s`` not a
@@ -118,9 +123,11 @@ class ValkeyTierStore(BlockTierStore):
         io_threads: int | None = None,
         announce_peers: bool = False,
         peer_scan_interval_s: float = 1.0,
+        codec: CodecChain | Sequence[BlockCodec] | None = None,
     ) -> None:
         check_peer_options(announce_peers, peer_scan_interval_s)
-        block = check_sizes(host, capacity_bytes, io_threads)
+        chain = as_chain(codec)
+        block = check_sizes(host, capacity_bytes, io_threads, chain)
         capacity_bytes = _bound(eviction, capacity_bytes, block, tier=name)
         for option, value in (
             ("connect_timeout_s", connect_timeout_s),
@@ -140,12 +147,20 @@ class ValkeyTierStore(BlockTierStore):
             command_timeout_s=command_timeout_s,
         )
         client = connect(endpoint, conn, cluster, tier=name)
-        self.namespace = recorded_namespace(namespace, host)
+        self.namespace = recorded_namespace(namespace, host, chain)
         self.root = io_root(endpoint.prefix, self.namespace)
         self.url = url
         where = ",".join(f"{h}:{p}" for h, p in endpoint.nodes)
         try:
-            io = ValkeyIo(client, self.root, config=namespace_config(self.namespace), where=where)
+            io = ValkeyIo(
+                client,
+                self.root,
+                config=namespace_config(self.namespace),
+                where=where,
+                records_opener=chain.record_sealer.open_record
+                if chain and chain.record_sealer
+                else None,
+            )
         except NamespaceConflict as exc:
             client.close()
             raise TierUnavailable(
@@ -186,6 +201,7 @@ class ValkeyTierStore(BlockTierStore):
             io_threads=io_threads or DEFAULT_IO_THREADS,
             announce_peers=announce_peers,
             peer_scan_interval_s=peer_scan_interval_s,
+            codec=chain,
         )
 
     @property
