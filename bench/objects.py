@@ -62,12 +62,14 @@ from typing import Any
 import _vllm
 from _report import Report, add_chunk_sizes, add_repeats, parse, summarize
 from _s3 import LoopbackS3, start_loopback_s3, start_seaweedfs
+from block_codecs import codec_chain
 from kvhex.adapters.memory import MemoryHostBuffer
 from kvhex.adapters.storage.nixl import obj_backend_threads
 from kvhex.adapters.storage.objects.s3_direct import REQUESTS_IN_FLIGHT
 from kvhex.cli.bench import interval_text
 from kvhex.domain import JobId, JobKind, TierJob, make_offload_key
 from kvhex.plugins import TIERS, Registry
+from kvhex.testing import kv_like
 
 MiB = 1 << 20
 QUICK = {"total_mib": 2, "repeats": 1, "batch": 4}
@@ -256,9 +258,16 @@ def vllm_tier(chunk: int, rows: Any, endpoint: str, io_threads: int) -> Any:
 
 
 def kvhex_tier(
-    name: str, host: MemoryHostBuffer, endpoint: str, capacity: int, io_threads: int
+    name: str,
+    host: MemoryHostBuffer,
+    endpoint: str,
+    capacity: int,
+    io_threads: int,
+    *,
+    chain: Any = None,
 ) -> Any:
-    """kvhex's ``fsspec`` (s3fs) or ``nixl`` (NIXL OBJ) tier, through the plugin registry."""
+    """kvhex's ``fsspec`` (s3fs) or ``nixl`` (NIXL OBJ) tier, through the plugin registry;
+    ``chain``: the S3 tier's codec chain (``--codec``)."""
     tier = Registry.discover([TIERS]).load(TIERS, "fsspec" if name == "s3" else "nixl")
     url = f"s3://{BUCKET}/kvhex-{name}"
     if name == "s3":
@@ -275,6 +284,7 @@ def kvhex_tier(
             name="s3",
             io_threads=io_threads,
             storage_options=options,
+            codec=chain,
         )
     return tier(
         host,
@@ -321,7 +331,8 @@ def one_size(
         **ACCESS, endpoint_url=endpoint, use_listings_cache=False, skip_instance_cache=True
     )
     fs.mkdir(BUCKET)
-    pattern = os.urandom(16) * (chunk // 16)
+    # a repeated pattern compresses to nothing: with a codec chain, KV-like bytes on every side
+    pattern = os.urandom(16) * (chunk // 16) if args.chain is None else kv_like(chunk, 0)
     runs: dict[str, Any] = {}
     closers: list[Callable[[], None]] = []
     try:
@@ -337,7 +348,7 @@ def one_size(
             host = MemoryHostBuffer(rows, chunk)
             for s in range(rows):
                 host.slot_view(s)[:] = pattern
-            store = kvhex_tier(name, host, endpoint, capacity, threads)
+            store = kvhex_tier(name, host, endpoint, capacity, threads, chain=args.chain)
             closers.append(store.close)
             runs[name] = KvhexRun(store, host, n, batch)
 
@@ -401,11 +412,18 @@ def main() -> None:
         default=0.0,
         help="hold every moto request this long before it is answered (default 0: loopback)",
     )
+    parser.add_argument(
+        "--codec",
+        default="",
+        help="the S3 tier stores through this codec chain (kvhex.codecs names, comma-separated)"
+        "; every side then moves KV-like bytes",
+    )
     add_chunk_sizes(parser)
     add_repeats(parser)
     args = parse(parser, QUICK)
     report = Report("objects", args)
     sides = [s for s in args.tiers.split(",") if s]
+    args.chain = codec_chain(parser, args.codec, "nixl" in sides)
     unknown = set(sides) - set(NAMES)
     if unknown:
         parser.error(f"--tiers: unknown {', '.join(sorted(unknown))} (s3, nixl)")

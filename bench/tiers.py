@@ -16,6 +16,7 @@ a baseline measured in the same run:
     python bench/tiers.py [--total-mib 2048] [--tiers files,nixl,s3] [--dir PATH]
     python bench/tiers.py --tiers files --chunk-kib 256 --queued   # the data path alone
     python bench/tiers.py --tiers files --python-io   # the file tier's Python data path
+    python bench/tiers.py --tiers files,s3 --codec zstd,aes-gcm   # through a codec chain
     python bench/tiers.py --quick --json   # tiny sizes; rows as JSON (see _report.py)
 
 By default the bench's thread plays the scheduler: it submits a pass's jobs as fast as it
@@ -25,7 +26,11 @@ wave of gets, which the host buffer's slots bound) is submitted while the IO thr
 at their first slot view, and the time runs from their release until the last job is
 collected, polling every 2 ms until as many jobs as IO threads are left, then every 0.1 ms.
 The file tier runs its native data path where it was built (the report says which);
-``--python-io`` runs its Python one.
+``--python-io`` runs its Python one. ``--codec`` (``kvhex.codecs`` names, comma-separated)
+stores the kvhex tiers' blocks through that chain (docs/codecs.md; not NIXL, which takes no
+codec), and fills the host slots with KV-like bytes (``kvhex.testing.kv_like``) instead of a
+repeated pattern, which would compress to nothing: the raw side moves the same bytes
+uncoded, so the ratio is what the chain costs or saves on that tier.
 
 A plain script, never a timed test. One untimed round warms both sides up (page cache, the
 tier's slab files, the server's connections); then raw and tier passes alternate, each
@@ -49,11 +54,13 @@ from typing import Any
 
 from _report import Report, add_chunk_sizes, add_repeats, parse, summarize
 from _s3 import start_loopback_s3
+from block_codecs import codec_chain
 from kvhex.adapters.memory import MemoryHostBuffer
 from kvhex.adapters.storage.files.posix import PosixSlotMover
 from kvhex.adapters.storage.fsspec import FsspecTierStore
 from kvhex.cli.bench import interval_text
 from kvhex.domain import JobId, JobKind, TierJob, make_offload_key
+from kvhex.testing import kv_like
 
 MiB = 1 << 20
 QUICK = {"total_mib": 8, "s3_total_mib": 2, "repeats": 1, "batch": 4}
@@ -210,9 +217,7 @@ def local_files(
 ) -> dict[str, float]:
     total, batch, repeats, threads = args.total_mib * MiB, args.batch, args.repeats, args.io_threads
     n = total // chunk
-    host = MemoryHostBuffer(min(n, 256), chunk)
-    for s in range(host.num_slots):
-        host.slot_view(s)[:] = os.urandom(16) * (chunk // 16)
+    host = filled_host(min(n, 256), chunk, args)
     # baseline: one preallocated file, positional IO of the same bytes
     path = os.path.join(directory, "raw.bin")
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
@@ -242,6 +247,7 @@ def local_files(
             name="files",
             io_threads=threads,
             native_io=False if args.python_io else None,
+            codec=args.chain,
         )
     run = TierRun(store, tier_host, n, batch, repeats + 1)  # the untimed round and the timed ones
     try:
@@ -251,6 +257,17 @@ def local_files(
         os.close(fd)
         os.unlink(path)
         shutil.rmtree(root)
+
+
+def filled_host(slots: int, chunk: int, args: argparse.Namespace) -> MemoryHostBuffer:
+    """Host slots of a repeated random pattern, or with a codec chain KV-like bytes."""
+    host = MemoryHostBuffer(slots, chunk)
+    for s in range(slots):
+        if args.chain is None:
+            host.slot_view(s)[:] = os.urandom(16) * (chunk // 16)
+        else:
+            host.slot_view(s)[:] = kv_like(chunk, s)
+    return host
 
 
 def s3(chunk: int, args: argparse.Namespace) -> dict[str, float]:
@@ -276,9 +293,7 @@ def s3(chunk: int, args: argparse.Namespace) -> dict[str, float]:
     bucket = f"bench-{chunk}"
     fs.mkdir(bucket)
     n = total // chunk
-    host = MemoryHostBuffer(min(n, 256), chunk)
-    for s in range(host.num_slots):
-        host.slot_view(s)[:] = os.urandom(16) * (chunk // 16)
+    host = filled_host(min(n, 256), chunk, args)
     tier_host = HeldHost(host) if args.queued else host
     store = FsspecTierStore(
         tier_host,
@@ -287,6 +302,7 @@ def s3(chunk: int, args: argparse.Namespace) -> dict[str, float]:
         name="s3",
         io_threads=threads,
         storage_options=opts,
+        codec=args.chain,
     )
     pool = cf.ThreadPoolExecutor(store.io_threads)  # as many batches in flight as the tier
     starts = range(0, n, batch)
@@ -351,10 +367,17 @@ def main() -> None:
     parser.add_argument(
         "--dir", default=None, help="where the file tier writes (default: a temp dir)"
     )
+    parser.add_argument(
+        "--codec",
+        default="",
+        help="store through this codec chain (kvhex.codecs names, comma-separated); "
+        "the slots then hold KV-like bytes",
+    )
     add_chunk_sizes(parser)
     add_repeats(parser)
     args = parse(parser, QUICK)
     tiers = args.tiers.split(",")
+    args.chain = codec_chain(parser, args.codec, "nixl" in tiers)
     smallest = min([args.total_mib] + ([args.s3_total_mib] if "s3" in tiers else []))
     if max(args.chunk_kib) > smallest * MiB:
         parser.error(f"--chunk-kib: a chunk larger than the {smallest} MiB a pass moves")
@@ -366,6 +389,8 @@ def main() -> None:
         report.say(f"files: the {path}")
     if args.queued:
         report.say("each pass's jobs queued before the IO threads start (--queued)")
+    if args.chain is not None:
+        report.say(f"codec chain: {'+'.join(args.chain.names)}, slots of KV-like bytes")
     head = f"{'tier':<8}{'chunk':>8}{'put GB/s':>10}{'raw':>8}{'ratio':>7}{'95% CI':>12}"
     report.say(head + f"{'get GB/s':>10}{'raw':>8}{'ratio':>7}{'95% CI':>12}")
     for chunk in args.chunk_kib:

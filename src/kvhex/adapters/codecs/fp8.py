@@ -9,8 +9,8 @@ bytes per element), float32 0.27x.
 
 Lossy: the chain keeps a checksum of the quantized bytes (what decoding must reproduce); the
 accuracy on a real engine (greedy tokens equal to a run without offloading, the largest
-logprob difference) is measured by ``bench/codecs.py --accuracy`` and stated in
-docs/codecs.md. Never on unless a configuration names it. Needs torch (the ``torch`` extra).
+logprob difference) is measured by ``bench/block_codecs.py --parts accuracy`` and stated
+in docs/codecs.md. Never on unless a configuration names it. Needs torch (the ``torch`` extra).
 """
 
 from __future__ import annotations

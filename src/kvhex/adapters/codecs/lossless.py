@@ -3,7 +3,7 @@
 The shuffle (``shuffle = 2`` for 16-bit floats) stores the bytes of every element's first
 byte together, then every second byte: the high bytes of KV values (sign, exponent) repeat far
 more than the low ones, so the compressor sees long runs. Whether it pays is measured on real
-KV blocks by ``bench/codecs.py`` (docs/codecs.md has the figures).
+KV blocks by ``bench/block_codecs.py`` (docs/codecs.md has the figures).
 
 Both libraries release the GIL while they compress and decompress, so a tier's IO threads
 code blocks side by side; each thread keeps its own compressor objects (they are not safe

@@ -22,16 +22,17 @@ Parts (``--parts``, all by default where they can run):
   rotates every pass, each tier's GB/s (of host bytes) over its ``none`` pass in the same
   round; every get is checked against the put's bytes (lossless chains).
 * ``accuracy`` (real engine): greedy answers of ``--prompts`` prompts from an engine without
-  offloading, and from one whose prefixes were stored through ``fp8`` and loaded back from
-  the file tier (host tier emptied first): the share of answer tokens equal, and the largest
+  offloading, and from engines whose prefixes were stored through the file tier and loaded
+  back from it (host tier emptied first), uncoded (the control: nothing may change) and
+  through ``fp8``: the share of answer tokens equal, of answers equal whole, and the largest
   logprob difference of the baseline's tokens while the answers agree.
 * ``ttft`` (real engine): time to first token of a ``--prefix``-token prefix loaded from the
   file tier (host tier emptied first) with each chain, medians of ``--repeats``, over
   ``none``.
 
-    .venv-vllm32/bin/python bench/codecs.py                 # every part
-    python bench/codecs.py --parts codecs,tiers             # synthetic blocks, no engine
-    .venv-vllm32/bin/python bench/codecs.py --quick --json
+    .venv-vllm32/bin/python bench/block_codecs.py                 # every part
+    python bench/block_codecs.py --parts codecs,tiers             # synthetic blocks, no engine
+    .venv-vllm32/bin/python bench/block_codecs.py --quick --json
 
 A plain script, never a timed test. ``aes-gcm`` takes its master key from
 ``KVHEX_CODEC_KEY`` (a random one is made for the run when unset).
@@ -85,6 +86,24 @@ def chain_of(name: str, dtype: str) -> CodecChain | None:
     chain, issues = plan_codecs(Registry.discover(), CHAINS[name], {"kv_cache_dtype": dtype}, "$")
     if issues:
         raise SystemExit(f"chain {name}: {issues}")
+    return chain
+
+
+def codec_chain(parser: argparse.ArgumentParser, names: str, nixl: bool) -> Any:
+    """``--codec``'s chain (``None`` without one), built as a configuration builds it."""
+    if not names:
+        return None
+    if nixl:
+        parser.error("--codec: the NIXL tier takes no codec (leave nixl out of --tiers)")
+    from kvhex.bootstrap.codecs import plan_codecs
+    from kvhex.plugins import Registry
+
+    os.environ.setdefault("KVHEX_CODEC_KEY", os.urandom(32).hex())
+    chain, issues = plan_codecs(
+        Registry.discover(), names.split(","), {"kv_cache_dtype": "float16"}, "--codec"
+    )
+    if issues:
+        parser.error("; ".join(f"{path}: {problem}" for path, problem in issues))
     return chain
 
 
@@ -391,12 +410,39 @@ def measure_accuracy(report: Report, args: argparse.Namespace, tmp: Path) -> Non
     with engine(model, max_len) as llm:
         base = run(llm)
     kv_bytes = args.layers * 2 * args.hidden * 2 * max_len * (args.prompts + 2)
-    with file_tier_engine(model, tmp, ["fp8"], kv_bytes, max_len) as llm:
-        run(llm)  # stores every prompt's prefix: host tier, then the fp8 file tier
-        settle(llm)
-        assert llm.reset_prefix_cache(reset_connector=True)  # device and host emptied
-        loaded = run(llm)
-    equal = total = 0
+    # "none" is the control: the same loads through an uncoded file tier must change nothing
+    for name in ("none", "fp8"):
+        with file_tier_engine(model, tmp, CHAINS[name], kv_bytes, max_len) as llm:
+            run(llm)  # stores every prompt's prefix: host tier, then the file tier
+            settle(llm)
+            assert llm.reset_prefix_cache(reset_connector=True)  # device and host emptied
+            loaded = run(llm)
+        equal, total, whole, worst = compare(base, loaded)
+        report.say(
+            f"{name} through the file tier: {equal}/{total} answer tokens equal to the run "
+            f"without offloading ({equal / total:.1%}), {whole}/{len(base)} answers whole, "
+            f"largest logprob difference {worst:.4f} while they agree ({args.prompts} prompts "
+            f"of {args.prefix} tokens, {answer}-token greedy answers)"
+        )
+        for case, value, unit in (
+            ("greedy tokens equal", equal / total, "share"),
+            ("answers equal", whole / len(base), "share"),
+            ("largest logprob difference", worst, "nats"),
+        ):
+            report.row(
+                f"{name} {case}",
+                value,
+                0.0 if unit == "nats" else 1.0,
+                unit=unit,
+                baseline_name="no offloading",
+                better="lower" if unit == "nats" else "higher",
+            )
+
+
+def compare(base: list[Any], loaded: list[Any]) -> tuple[int, int, int, float]:
+    """Answer tokens equal to the baseline's, their count, answers equal whole, and the
+    largest logprob difference of the baseline's token while the answers agree."""
+    equal = total = whole = 0
     worst = 0.0
     for b, q in zip(base, loaded, strict=True):
         agree = True
@@ -405,21 +451,11 @@ def measure_accuracy(report: Report, args: argparse.Namespace, tmp: Path) -> Non
             same = pos < len(q.token_ids) and q.token_ids[pos] == token
             equal += same
             if agree and b.logprobs and q.logprobs and token in q.logprobs[pos]:
-                worst = max(
-                    worst, abs(b.logprobs[pos][token].logprob - q.logprobs[pos][token].logprob)
-                )
+                difference = b.logprobs[pos][token].logprob - q.logprobs[pos][token].logprob
+                worst = max(worst, abs(difference))
             agree = agree and same
-    report.say(
-        f"fp8 accuracy: {equal}/{total} answer tokens equal to the run without offloading "
-        f"({equal / total:.1%}), largest logprob difference {worst:.4f} "
-        f"({args.prompts} prompts of {args.prefix} tokens, {answer}-token greedy answers)"
-    )
-    report.row(
-        "fp8 greedy tokens equal", equal / total, 1.0, unit="share", baseline_name="no offloading"
-    )
-    report.row(
-        "fp8 largest logprob difference", worst, 0.0, unit="nats", baseline_name="no offloading"
-    )
+        whole += agree and len(q.token_ids) == len(b.token_ids)
+    return equal, total, whole, worst
 
 
 def measure_ttft(report: Report, args: argparse.Namespace, tmp: Path) -> None:
@@ -463,7 +499,7 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=512)
     add_repeats(parser)
     args = parse(parser, QUICK)
-    report = Report("codecs", args)
+    report = Report("block_codecs", args)
     os.environ.setdefault(KEY_ENV, os.urandom(32).hex())
     parts = set(args.parts.split(","))
     engine = vllm_available()
