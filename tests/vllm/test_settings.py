@@ -432,3 +432,52 @@ def test_an_obj_tier_that_cannot_start_names_the_store_config_key(
     assert words in problem
     for secret in (store["access_key"], store["secret_key"], admin["secret"]):
         assert secret not in str(err.value)
+
+
+def test_a_tier_entry_s_codec_chain_is_built_with_the_kv_dtype_and_refused_where_not_taken(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("KVHEX_CODEC_KEY", "4d" * 32)
+    paths = _paths(
+        {
+            "cpu_bytes_to_use": 4 * 4096,
+            "secondary_tiers": [
+                {"type": "fs", "root_dir": str(tmp_path / "kv"), "kvhex": {"codec": "zstd"}},
+            ],
+        }
+    )
+    assert paths == ["$.secondary_tiers[0].kvhex.codec"]
+    settings = parse_settings(
+        {
+            "cpu_bytes_to_use": 4 * 4096,
+            "secondary_tiers": [
+                {
+                    "type": "fs",
+                    "root_dir": str(tmp_path / "kv"),
+                    "kvhex": {"codec": ["fp8", {"name": "zstd", "shuffle": 0}, "aes-gcm"]},
+                }
+            ],
+        }
+    )
+    backing = bytearray(4 * 4096)
+    host = RegionHostBuffer(memoryview(backing), 4, 4096)
+    namespace = {"model": "m", "kv_cache_dtype": "bfloat16"}
+    engine, (files,) = build_engine(
+        settings, host, registry=Registry.discover(), namespace=namespace, record_events=True
+    )
+    chain = getattr(files, "codec", None)
+    assert chain is not None
+    assert chain.names == ["fp8", "zstd", "aes-gcm"]
+    assert chain.description[0]["dtype"] == "bfloat16"  # the engine's KV dtype
+    engine.shutdown()
+    obj = parse_tier(
+        {
+            "type": "obj",
+            "store_config": {"bucket": "b", "endpoint_override": "127.0.0.1:9"},
+            "kvhex": {"codec": ["zstd"]},
+        },
+        "$.secondary_tiers[0]",
+    )
+    with pytest.raises(ConfigError) as err:
+        build_tier_store(obj, host, Registry.discover(), namespace)
+    assert err.value.paths == ("$.secondary_tiers[0].kvhex.codec",)
