@@ -44,7 +44,7 @@ API: dict[str, list[str]] = {
     "kvhex.ports": [
         "BlockCodec", "BlockTransfer", "Closeable", "CodecCorrupt", "CodecRefused", "Deletes",
         "EventSink", "EventSource", "HostBuffer", "Indexed", "Occupancy", "PeerView",
-        "RecordSealing", "RequestAware", "TierHealth", "TierStore",
+        "RecordSealing", "RequestAware", "TenantRefusals", "TierHealth", "TierStore",
     ],
     "kvhex.service": [
         "EventPipeline", "EventStats", "LoadDecider", "LoadStats", "OffloadEngine",

@@ -6,7 +6,7 @@ eviction-policy boundary lives in :mod:`kvhex.domain.policies.base` because the 
 tier itself drives it.
 """
 
-from kvhex.ports.capabilities import Closeable, TierHealth
+from kvhex.ports.capabilities import Closeable, TenantRefusals, TierHealth
 from kvhex.ports.codec import BlockCodec, CodecCorrupt, CodecRefused, RecordSealing
 from kvhex.ports.event_sink import EventSink
 from kvhex.ports.events import EventSource
@@ -36,6 +36,7 @@ __all__ = [
     "PeerView",
     "RecordSealing",
     "RequestAware",
+    "TenantRefusals",
     "TierHealth",
     "TierStore",
 ]

@@ -4,6 +4,8 @@ never by ``getattr``: a class has one by having its members, with no base class 
 * ``Closeable``: releases what it holds (a host buffer's memory, once every tier closed).
 * ``TierHealth``: a ``TierStore`` that counts the damage it found (corrupt and lost blocks,
   IO errors), so operators see it in the tier's stats and metrics.
+* ``TenantRefusals``: a ``TierStore`` whose keyed codec refused blocks to requests of
+  another tenant (or master key): counted, as a router or an operator would want to know.
 """
 
 from __future__ import annotations
@@ -45,4 +47,18 @@ class TierHealth(Protocol):
     def io_errors(self) -> int:
         """Storage operations that failed (a write, a removal) outside a job's per-block
         outcome."""
+        ...
+
+
+@runtime_checkable
+class TenantRefusals(Protocol):
+    """Optional for a ``TierStore`` with a keyed codec (``aes-gcm``): how many blocks a get
+    found sealed for another tenant than the asking request's (or another master key) and
+    refused. Such a block is a miss for that request and stays; many of them mean tenants
+    whose keys collide, or instances configured with different master keys. A plain
+    attribute read on the scheduler thread or a metrics scrape; it only grows."""
+
+    @property
+    def refused_blocks(self) -> int:
+        """Blocks refused to a request, since start-up."""
         ...

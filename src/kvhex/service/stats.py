@@ -82,6 +82,9 @@ class TierStats:
     io_errors: int | None = None
     """Storage operations that failed outside a job's per-block outcome (as
     ``corrupt_blocks``)."""
+    refused_blocks: int | None = None
+    """Blocks a keyed codec refused to a request of another tenant (a ``TenantRefusals``
+    tier's count; ``None``: it does not count)."""
     admission_ema_s: float | None = None
     """The admission policy's moving average of put latency (a backpressure policy's, once
     it measured one; ``None`` otherwise)."""

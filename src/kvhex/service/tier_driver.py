@@ -33,7 +33,7 @@ from kvhex.domain.jobs import JobId, JobKind, JobResult, TierJob
 from kvhex.domain.keys import OffloadKey
 from kvhex.domain.request import ReqContext
 from kvhex.domain.tiers import LookupResult, TierIdentity
-from kvhex.ports.capabilities import TierHealth
+from kvhex.ports.capabilities import TenantRefusals, TierHealth
 from kvhex.ports.tier_store import Indexed, Occupancy, RequestAware, TierStore
 from kvhex.service.probes import ProbeCache
 from kvhex.service.stats import TierStats
@@ -67,6 +67,7 @@ class TierDriver:
         "_occupancy",
         "_probe_ids",
         "_probes",
+        "_refusals",
         "_stats",
         "_store",
         "get_cost",
@@ -85,6 +86,7 @@ class TierDriver:
         self._hooks = store if isinstance(store, RequestAware) else None
         self._occupancy = store if isinstance(store, Occupancy) else None
         self._health = store if isinstance(store, TierHealth) else None
+        self._refusals = store if isinstance(store, TenantRefusals) else None
         self._held_now = store.held_now if isinstance(store, Indexed) else None
         self.identity: TierIdentity = store.identity
         """The tier's identity (read-only; a plain attribute: lookups read it per key)."""
@@ -123,6 +125,7 @@ class TierDriver:
             corrupt_blocks=health.corrupt_blocks if health is not None else None,
             lost_blocks=health.lost_blocks if health is not None else None,
             io_errors=health.io_errors if health is not None else None,
+            refused_blocks=(self._refusals.refused_blocks if self._refusals is not None else None),
             admission_ema_s=admission_ema_s,
         )
 

@@ -33,6 +33,7 @@ from kvhex.adapters.storage.tier import BlockTierStore
 from kvhex.adapters.storage.valkey.tier import ValkeyTierStore
 from kvhex.domain import JobId, JobKind, TierJob
 from kvhex.domain.events import Removed
+from kvhex.ports import TenantRefusals
 from kvhex.testing import kv_like
 from tests.adapters.conftest import s3_options
 from tests.adapters.storage.peer_kit import Events, blocks, put, request, run_job
@@ -148,7 +149,8 @@ def test_a_tenants_sealed_block_is_a_miss_for_another_and_stays(opener: Opener) 
     assert not refused.ok_keys
     assert "refused" in (refused.error or "")
     assert bytes(host.slot_view(8)) != kv_like(SLOT, 0)  # nothing of it reached the slot
-    assert store.refused_blocks == 2
+    assert isinstance(store, TenantRefusals)
+    assert store.refused_blocks == 2  # what TierStats and kvhex_tier_refused_blocks_total read
     events.take()
     assert not any(isinstance(e, Removed) for e in events.raw)  # never dropped for her
     assert set(store.keys()) == set(keys)

@@ -135,6 +135,13 @@ METRICS: tuple[tuple[str, str, tuple[str, ...], str], ...] = (
         "served, dropped and announced removed (tiers that check integrity).",
     ),
     (
+        "kvhex_tier_refused_blocks",
+        "counter",
+        _TIER,
+        "Chunks a keyed codec (aes-gcm) refused to a request of another tenant or master key: "
+        "a miss for that request, the block kept (0 on a tier without one).",
+    ),
+    (
         "kvhex_tier_lost_blocks",
         "counter",
         _TIER,
@@ -285,6 +292,8 @@ class PrometheusCollector(Collector):
                 add("kvhex_tier_lost_blocks", t, tier.lost_blocks)
             if tier.io_errors is not None:
                 add("kvhex_tier_io_errors", t, tier.io_errors)
+            if tier.refused_blocks is not None:
+                add("kvhex_tier_refused_blocks", t, tier.refused_blocks)
         add("kvhex_host_store_allocation_failures", [], stats.primary.store_allocation_failures)
         add("kvhex_requests_active", [], stats.active_requests)
         loading = stats.loading
