@@ -4,6 +4,7 @@ that would fix it, nothing built when one is wrong, and the master key never in 
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -148,4 +149,26 @@ def test_a_wrong_master_key_is_named_and_never_echoed(
         ]
     )
     assert path == "$.tiers[0].options.codec[0].key_file"
+    assert not (tmp_path / "kv").exists()
+
+
+def test_a_codec_whose_package_is_missing_names_its_extra(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setitem(sys.modules, "zstandard", None)  # as if never installed
+    monkeypatch.delitem(sys.modules, "kvhex.adapters.codecs.zstd", raising=False)
+    ((path, problem),) = fails(
+        [
+            {
+                "type": "fsspec",
+                "options": {
+                    "url": str(tmp_path / "kv"),
+                    "capacity_bytes": 1 << 22,
+                    "codec": ["zstd"],
+                },
+            }
+        ]
+    )
+    assert path == "$.tiers[0].options.codec[0]"
+    assert "pip install 'kvhex[zstd]'" in problem
     assert not (tmp_path / "kv").exists()

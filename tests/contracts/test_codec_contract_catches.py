@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from kvhex.adapters.codecs.lossless import ZstdCodec
+from kvhex.adapters.codecs.zstd import ZstdCodec
 from kvhex.domain.keys import OffloadKey
 from kvhex.ports.codec import BlockCodec
 from kvhex.testing import CodecContract

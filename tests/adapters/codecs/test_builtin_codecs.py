@@ -6,7 +6,8 @@ import pytest
 
 from kvhex.adapters.codecs.aesgcm import KEY_ENV, AesGcmCodec
 from kvhex.adapters.codecs.fp8 import Fp8Codec
-from kvhex.adapters.codecs.lossless import Lz4Codec, ZstdCodec
+from kvhex.adapters.codecs.lz4 import Lz4Codec
+from kvhex.adapters.codecs.zstd import ZstdCodec
 from kvhex.ports.codec import BlockCodec
 from kvhex.testing import CodecContract
 

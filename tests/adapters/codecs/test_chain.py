@@ -12,7 +12,8 @@ import pytest
 from kvhex.adapters.codecs.aesgcm import KEY_ENV, AesGcmCodec
 from kvhex.adapters.codecs.chain import FRAME, MAX_STAGES, STAGE, CodecChain, as_chain
 from kvhex.adapters.codecs.fp8 import Fp8Codec
-from kvhex.adapters.codecs.lossless import Lz4Codec, ZstdCodec
+from kvhex.adapters.codecs.lz4 import Lz4Codec
+from kvhex.adapters.codecs.zstd import ZstdCodec
 from kvhex.domain.keys import OffloadKey
 from kvhex.ports.codec import CodecCorrupt, CodecRefused
 from kvhex.testing import codec_key, kv_like

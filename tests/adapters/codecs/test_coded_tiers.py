@@ -17,7 +17,8 @@ import pytest
 from kvhex.adapters.codecs.aesgcm import KEY_ENV, AesGcmCodec
 from kvhex.adapters.codecs.chain import CodecChain
 from kvhex.adapters.codecs.fp8 import Fp8Codec
-from kvhex.adapters.codecs.lossless import Lz4Codec, ZstdCodec
+from kvhex.adapters.codecs.lz4 import Lz4Codec
+from kvhex.adapters.codecs.zstd import ZstdCodec
 from kvhex.adapters.memory import MemoryHostBuffer
 from kvhex.adapters.storage.files.fsck import check_root
 from kvhex.adapters.storage.format import (

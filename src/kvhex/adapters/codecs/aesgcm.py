@@ -28,6 +28,11 @@ import threading
 from collections.abc import Mapping
 from typing import Any
 
+from cryptography.exceptions import InvalidTag
+from cryptography.hazmat.primitives import hashes
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+from cryptography.hazmat.primitives.kdf.hkdf import HKDF
+
 from kvhex.domain.keys import OffloadKey
 from kvhex.ports.codec import Buffer, CodecCorrupt, CodecRefused
 
@@ -113,11 +118,6 @@ class AesGcmCodec:
     keyed = True
 
     def __init__(self, *, key_file: str | None = None, key_env: str = KEY_ENV) -> None:
-        from cryptography.exceptions import InvalidTag
-        from cryptography.hazmat.primitives import hashes
-        from cryptography.hazmat.primitives.ciphers.aead import AESGCM
-        from cryptography.hazmat.primitives.kdf.hkdf import HKDF
-
         if key_file is not None and not isinstance(key_file, str):
             raise ValueError(f"key_file: a path, got {type(key_file).__name__}")
         if not isinstance(key_env, str) or not key_env:
@@ -129,8 +129,6 @@ class AesGcmCodec:
             return kdf.derive(master)
 
         self._derive = derive
-        self._aead = AESGCM
-        self._invalid = InvalidTag
         self._ciphers: dict[str | None, Any] = {}
         self._lock = threading.Lock()
         self.key_id = derive(b"kvhex aes-gcm key id")[:8].hex()
@@ -155,7 +153,7 @@ class AesGcmCodec:
         cipher = self._ciphers.get(tenant)
         if cipher is None:
             info = b"kvhex aes-gcm tenant\0" + (b"" if tenant is None else b"\1" + tenant.encode())
-            cipher = self._aead(self._derive(info))
+            cipher = AESGCM(self._derive(info))
             with self._lock:
                 self._ciphers.setdefault(tenant, cipher)
         return cipher
@@ -179,7 +177,7 @@ class AesGcmCodec:
             opened: bytes = self._records.decrypt(
                 data[:NONCE], data[NONCE:], b"record\0" + bytes(key)
             )
-        except self._invalid:
+        except InvalidTag:
             return None
         return opened
 
@@ -188,6 +186,6 @@ class AesGcmCodec:
             raise CodecCorrupt(f"aes-gcm: {len(data)} bytes do not seal {size}")
         try:
             out: bytes = self._cipher(tenant).decrypt(data[:NONCE], data[NONCE:], bytes(key))
-        except self._invalid:
+        except InvalidTag:
             raise CodecRefused("aes-gcm: the block does not open with this tenant's key") from None
         return out

@@ -18,6 +18,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+import torch
+
 from kvhex.domain.keys import OffloadKey
 from kvhex.ports.codec import Buffer, CodecCorrupt
 
@@ -44,8 +46,6 @@ class Fp8Codec:
     keyed = False
 
     def __init__(self, *, dtype: str, row: int = 64) -> None:
-        import torch
-
         if not isinstance(dtype, str):
             raise ValueError(f"dtype: a float type name, got {dtype!r}")
         plain = dtype.removeprefix("torch.")
@@ -56,7 +56,6 @@ class Fp8Codec:
         self.dtype = _CANONICAL.get(plain, plain)
         self.row = row
         self._width = _DTYPES[plain]
-        self._torch = torch
         self._element = getattr(torch, self.dtype)
 
     def describe(self) -> Mapping[str, Any]:
@@ -72,7 +71,6 @@ class Fp8Codec:
         return 4 * rows + elements + tail
 
     def encode(self, data: memoryview, key: OffloadKey, tenant: str | None) -> Buffer:
-        torch = self._torch
         elements, rows, tail = self._shape(len(data))
         if not elements:
             return bytes(data)  # under one element: kept as is
@@ -93,7 +91,6 @@ class Fp8Codec:
         return out
 
     def decode(self, data: memoryview, size: int, key: OffloadKey, tenant: str | None) -> Buffer:
-        torch = self._torch
         elements, rows, tail = self._shape(size)
         if len(data) != 4 * rows + elements + tail:
             raise CodecCorrupt(f"fp8: {len(data)} bytes do not encode {size}")

@@ -1,4 +1,4 @@
-"""Lossless codecs: zstd and lz4, each with an optional byte shuffle.
+"""What the lossless codecs (``zstd``, ``lz4``) share: the byte shuffle, per-thread state.
 
 The shuffle (``shuffle = 2`` for 16-bit floats) stores the bytes of every element's first
 byte together, then every second byte: the high bytes of KV values (sign, exponent) repeat far
@@ -7,7 +7,8 @@ KV blocks by ``bench/block_codecs.py`` (docs/codecs.md has the figures).
 
 Both libraries release the GIL while they compress and decompress, so a tier's IO threads
 code blocks side by side; each thread keeps its own compressor objects (they are not safe
-to share).
+to share). Each codec's module imports its library when the registry loads it: a missing
+one is a ``PluginError`` with its install hint (``pip install 'kvhex[zstd]'``).
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ from __future__ import annotations
 import threading
 from collections.abc import Mapping
 from typing import Any
+
+import numpy as np
 
 from kvhex.domain.keys import OffloadKey
 from kvhex.ports.codec import Buffer, CodecCorrupt
@@ -29,8 +32,6 @@ def _check_shuffle(shuffle: object) -> int:
 def shuffled(data: memoryview, width: int) -> bytes:
     """``data``'s bytes grouped by their place in each ``width``-byte element (a tail shorter
     than an element is kept as is, at the end)."""
-    import numpy as np
-
     whole = len(data) - len(data) % width
     lanes = np.frombuffer(data, dtype=np.uint8, count=whole).reshape(-1, width).T
     return lanes.tobytes() + bytes(data[whole:])
@@ -38,8 +39,6 @@ def shuffled(data: memoryview, width: int) -> bytes:
 
 def unshuffled(data: Buffer, width: int) -> bytes:
     """The inverse of :func:`shuffled`."""
-    import numpy as np
-
     view = memoryview(data)
     whole = len(view) - len(view) % width
     lanes = np.frombuffer(view, dtype=np.uint8, count=whole).reshape(width, -1)
@@ -49,7 +48,7 @@ def unshuffled(data: Buffer, width: int) -> bytes:
     return out.tobytes() + bytes(view[whole:])
 
 
-class _Lossless:
+class ShuffledLossless:
     """What zstd and lz4 share: the shuffle around the compressor, per-thread state."""
 
     name = ""
@@ -79,83 +78,3 @@ class _Lossless:
 
     def _decompress(self, data: memoryview, size: int) -> Buffer:
         raise NotImplementedError
-
-
-class ZstdCodec(_Lossless):
-    """zstd (the ``zstandard`` package) at ``level`` (1 to 22; 1 is the fastest), after a
-    byte shuffle of ``shuffle`` bytes per element (0: none).
-
-    Raises:
-        ValueError: a level or shuffle out of range.
-    """
-
-    name = "zstd"
-
-    def __init__(self, *, level: int = 1, shuffle: int = 2) -> None:
-        import zstandard
-
-        if isinstance(level, bool) or not isinstance(level, int) or not 1 <= level <= 22:
-            raise ValueError(f"level: 1 to 22, got {level!r}")
-        super().__init__(shuffle)
-        self.level = level
-        self._zstd = zstandard
-
-    def max_encoded_bytes(self, n: int) -> int:
-        return n + (n >> 7) + 1024  # above ZSTD_compressBound, with a frame header
-
-    def _compress(self, data: memoryview) -> Buffer:
-        local = self._local
-        compressor = getattr(local, "c", None)
-        if compressor is None:
-            compressor = local.c = self._zstd.ZstdCompressor(level=self.level)
-        out: bytes = compressor.compress(data)
-        return out
-
-    def _decompress(self, data: memoryview, size: int) -> Buffer:
-        local = self._local
-        decompressor = getattr(local, "d", None)
-        if decompressor is None:
-            decompressor = local.d = self._zstd.ZstdDecompressor()
-        try:
-            out: bytes = decompressor.decompress(data, max_output_size=size)
-        except self._zstd.ZstdError as exc:
-            raise CodecCorrupt(f"zstd: {exc}") from exc
-        return out
-
-
-class Lz4Codec(_Lossless):
-    """LZ4 blocks (the ``lz4`` package), after a byte shuffle of ``shuffle`` bytes per
-    element (0: none). ``acceleration`` above 1 trades ratio for speed.
-
-    Raises:
-        ValueError: an acceleration below 1 or a shuffle out of range.
-    """
-
-    name = "lz4"
-
-    def __init__(self, *, acceleration: int = 1, shuffle: int = 2) -> None:
-        import lz4.block
-
-        if isinstance(acceleration, bool) or not isinstance(acceleration, int):
-            raise ValueError(f"acceleration: an integer from 1, got {acceleration!r}")
-        if acceleration < 1:
-            raise ValueError(f"acceleration: an integer from 1, got {acceleration!r}")
-        super().__init__(shuffle)
-        self.acceleration = acceleration
-        self._lz4 = lz4.block
-
-    def max_encoded_bytes(self, n: int) -> int:
-        return n + n // 255 + 16  # LZ4_compressBound
-
-    def _compress(self, data: memoryview) -> Buffer:
-        out: bytes = self._lz4.compress(
-            data, mode="fast", acceleration=self.acceleration, store_size=False
-        )
-        return out
-
-    def _decompress(self, data: memoryview, size: int) -> Buffer:
-        try:
-            out: bytes = self._lz4.decompress(data, uncompressed_size=size)
-        except self._lz4.LZ4BlockError as exc:
-            raise CodecCorrupt(f"lz4: {exc}") from exc
-        return out

@@ -12,7 +12,7 @@ import pytest
 
 from kvhex.adapters.codecs.aesgcm import KEY_ENV, AesGcmCodec
 from kvhex.adapters.codecs.chain import CodecChain
-from kvhex.adapters.codecs.lossless import ZstdCodec
+from kvhex.adapters.codecs.zstd import ZstdCodec
 from kvhex.adapters.storage.format import HEADER_AREA
 from kvhex.adapters.storage.namespace import check_sizes
 from kvhex.adapters.storage.valkey.tier import ValkeyTierStore
