@@ -25,8 +25,8 @@ API: dict[str, list[str]] = {
         "TierUnavailable", "TransferError", "__version__",
     ],
     "kvhex.errors": [
-        "ConfigError", "ConfigIssue", "InvalidKeyError", "KvhexError", "PluginError",
-        "StateError", "TierError", "TierUnavailable", "TransferError",
+        "ConfigError", "ConfigIssue", "InvalidKeyError", "KvhexError", "MissingPackage",
+        "PluginError", "StateError", "TierError", "TierUnavailable", "TransferError",
     ],
     "kvhex.domain": [
         "AdmissionPolicy", "AllBlocksCleared", "AlwaysAdmit", "ArcPolicy", "BlockRemoved",
@@ -58,7 +58,8 @@ API: dict[str, list[str]] = {
     ],
     "kvhex.plugins": [
         "CODECS", "GROUPS", "LoadReport", "LoadedPlugin", "POLICIES", "PluginSpec", "Registry",
-        "SINKS", "TIERS", "TRANSFERS",
+        "SINKS", "TIERS", "TRANSFERS", "USER_EXTRAS", "install_hint_for_module",
+        "missing_package",
     ],
     "kvhex.bootstrap": [
         "EntryPaths", "TierSpec", "assemble_engine", "build_engine", "build_policy",

@@ -28,6 +28,7 @@ __all__ = [
     "ConfigIssue",
     "InvalidKeyError",
     "KvhexError",
+    "MissingPackage",
     "PluginError",
     "StateError",
     "TierError",
@@ -95,6 +96,16 @@ class PluginError(KvhexError, ImportError):
         if hint:
             msg += f" (hint: {hint})"
         super().__init__(msg, name=name)
+
+
+class MissingPackage(KvhexError, ImportError):
+    """An optional package kvhex needs for what was asked is not installed. Names the module
+    and the install command of the kvhex extra that declares it."""
+
+    def __init__(self, module: str, hint: str) -> None:
+        self.module = module
+        self.hint = hint
+        super().__init__(f"needs {module}, not installed: {hint}", name=module)
 
 
 class InvalidKeyError(KvhexError, ValueError):

@@ -20,14 +20,16 @@ Rules:
 from __future__ import annotations
 
 import inspect
+import re
 from collections.abc import Callable, Iterable, Mapping
+from importlib import metadata
 from importlib.metadata import EntryPoint, entry_points
 from typing import Any
 
 import attrs
 
 from kvhex.domain.policies.base import EvictionPolicy
-from kvhex.errors import PluginError
+from kvhex.errors import MissingPackage, PluginError
 from kvhex.ports.codec import BlockCodec
 from kvhex.ports.event_sink import EventSink
 from kvhex.ports.tier_store import TierStore
@@ -40,10 +42,13 @@ __all__ = [
     "SINKS",
     "TIERS",
     "TRANSFERS",
+    "USER_EXTRAS",
     "LoadReport",
     "LoadedPlugin",
     "PluginSpec",
     "Registry",
+    "install_hint_for_module",
+    "missing_package",
 ]
 
 TIERS = "kvhex.tiers"
@@ -97,6 +102,44 @@ GROUPS: Mapping[str, Checker | None] = {
     CODECS: _factory_of(BlockCodec, "codec"),
 }
 """Every entry-point group kvhex reads, with the check a loaded object must pass."""
+
+
+USER_EXTRAS = (
+    "torch", "files", "s3", "zmq", "metrics", "valkey", "nixl", "zstd", "lz4", "encryption",
+    "vllm",
+)  # fmt: skip
+"""kvhex's extras for users, in the order a hint prefers them (numpy: ``torch`` first)."""
+
+_MODULE_DISTRIBUTIONS = {"zmq": "pyzmq", "prometheus_client": "prometheus-client"}
+"""Top-level modules whose distribution has another name."""
+
+
+def missing_package(exc: ModuleNotFoundError) -> MissingPackage | None:
+    """``exc`` as a :class:`~kvhex.errors.MissingPackage` naming its install hint, when the
+    module is one of kvhex's optional packages (else ``None``: a bug, to show whole)."""
+    module = exc.name or ""
+    hint = install_hint_for_module(module)
+    return None if hint is None else MissingPackage(module, hint)
+
+
+def install_hint_for_module(module: str) -> str | None:
+    """``pip install 'kvhex[EXTRA]'`` for the first of :data:`USER_EXTRAS` whose requirements
+    (kvhex's installed metadata) provide the top-level package of ``module``; ``None`` when
+    no extra does (not an optional dependency of kvhex's: a bug, not a missing install)."""
+    top = module.split(".", 1)[0]
+    wanted = _canonical(_MODULE_DISTRIBUTIONS.get(top, top))
+    try:
+        requirements = metadata.requires(OWN_DISTRIBUTION) or []
+    except metadata.PackageNotFoundError:
+        return None
+    extras = set()
+    for requirement in requirements:
+        name = re.match(r"[A-Za-z0-9._-]+", requirement)
+        extra = re.search(r"""extra\s*==\s*['"]([^'"]+)['"]""", requirement)
+        if name and extra and _canonical(name.group()) == wanted:
+            extras.add(extra.group(1))
+    chosen = next((e for e in USER_EXTRAS if e in extras), None)
+    return None if chosen is None else f"pip install '{OWN_DISTRIBUTION}[{chosen}]'"
 
 
 @attrs.frozen

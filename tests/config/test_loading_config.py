@@ -3,8 +3,9 @@ and the engine built with the decider they describe."""
 
 from __future__ import annotations
 
-import pytest
 import tomllib
+
+import pytest
 
 from kvhex.adapters.memory import MemoryHostBuffer
 from kvhex.bootstrap import build_engine

@@ -13,12 +13,14 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from kvhex.adapters.codecs.chain import CodecChain
 from kvhex.errors import ConfigIssue, PluginError
 from kvhex.plugins import CODECS, Registry
 from kvhex.ports.codec import BlockCodec
+
+if TYPE_CHECKING:
+    from kvhex.adapters.codecs.chain import CodecChain
 
 DTYPE_FIELDS = ("kv_cache_dtype", "dtype")
 """Namespace fields naming the KV cache's element type, in order of preference."""
@@ -28,9 +30,12 @@ def plan_codecs(
     registry: Registry, spec: Any, namespace: Mapping[str, Any] | None, path: str
 ) -> tuple[CodecChain | None, list[ConfigIssue]]:
     """The chain ``spec`` names (``None`` for an empty list or ``None``), or the issues found
-    at ``path`` (``path[i]`` an entry, ``path[i].option`` one of its options)."""
+    at ``path`` (``path[i]`` an entry, ``path[i].option`` one of its options). The chain's
+    module (and its checksum's package, ``xxhash``) loads only when a chain is named."""
     if spec is None:
         return None, []
+    from kvhex.adapters.codecs.chain import CodecChain
+
     if isinstance(spec, CodecChain):
         return spec, []
     if isinstance(spec, str) or not isinstance(spec, (list, tuple)):

@@ -23,7 +23,8 @@ import threading
 from collections.abc import Sequence
 
 from kvhex.cli._args import EXIT_FAILED, EXIT_USAGE
-from kvhex.errors import ConfigError, KvhexError, PluginError, TierUnavailable
+from kvhex.errors import ConfigError, KvhexError, MissingPackage, PluginError, TierUnavailable
+from kvhex.plugins import missing_package
 
 __all__ = ["build_parser", "main"]
 
@@ -96,10 +97,23 @@ def main(argv: Sequence[str] | None = None) -> int:
         signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
 
 
-def _run(args: argparse.Namespace) -> int:
+def _handle(args: argparse.Namespace) -> int:
+    """The command's handler; an optional package it needs and lacks is a ``MissingPackage``
+    naming the extra to install (one line, exit 2), never a traceback."""
     try:
         status: int = args.handler(args)
-    except (ConfigError, PluginError, TierUnavailable) as exc:  # nothing ran: input or reach
+    except ModuleNotFoundError as exc:
+        missing = missing_package(exc)
+        if missing is None:
+            raise  # not one of kvhex's optional packages: a bug, shown whole
+        raise missing from exc
+    return status
+
+
+def _run(args: argparse.Namespace) -> int:
+    try:
+        status: int = _handle(args)
+    except (ConfigError, PluginError, TierUnavailable, MissingPackage) as exc:  # nothing ran
         print(f"kvhex {args.command}: {exc}", file=sys.stderr)
         return EXIT_USAGE
     except KvhexError as exc:  # something failed while running

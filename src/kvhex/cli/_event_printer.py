@@ -50,7 +50,7 @@ class EventPrinter:
             return
         from kvhex.cli._ledger import residency_label
 
-        when = datetime.datetime.fromtimestamp(ts, datetime.timezone.utc)
+        when = datetime.datetime.fromtimestamp(ts, datetime.UTC)
         parts = [f"{seq:>6}", when.isoformat(timespec="milliseconds"), f"{kind:<16}"]
         hashes = getattr(event, "block_hashes", None)
         if hashes is not None:

@@ -51,12 +51,9 @@ def _size(nbytes: int) -> str:
 
 def main(args: argparse.Namespace) -> int:
     """Check ROOT and print the verdict."""
-    try:
-        from kvhex.adapters.storage.files.fsck import check_root
-    except ImportError as exc:
-        return fail(
-            "fsck", f"needs the file tier's packages ({exc.name}): pip install 'kvhex[files]'"
-        )
+    # without the file tier's packages: one line naming the extra (``kvhex.cli``)
+    from kvhex.adapters.storage.files.fsck import check_root
+
     try:
         report = check_root(args.root)
     except OSError as exc:

@@ -34,6 +34,7 @@ from kvhex.config.model import (
     TierConfig,
 )
 from kvhex.errors import ConfigError
+from kvhex.plugins import missing_package
 
 if TYPE_CHECKING:
     from kvhex.sim.workload import Request
@@ -194,11 +195,11 @@ def _check_metrics(args: argparse.Namespace) -> None:
         return
     try:
         from kvhex.adapters.metrics.prometheus import parse_metrics_address
-    except ImportError:
-        raise _Usage(
-            f"--metrics-addr {args.metrics_addr}: needs prometheus_client; install it with "
-            "pip install 'kvhex[metrics]'"
-        ) from None
+    except ModuleNotFoundError as exc:
+        missing = missing_package(exc)
+        if missing is None:
+            raise
+        raise _Usage(f"--metrics-addr {args.metrics_addr}: {missing}") from None
     try:
         parse_metrics_address(args.metrics_addr)
     except ConfigError as exc:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import difflib
 import functools
 import json
-import sys
+import tomllib
 import typing
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
@@ -40,11 +40,6 @@ from kvhex.config.vllm import (
     tier_issues,
 )
 from kvhex.errors import ConfigError, ConfigIssue
-
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover - exercised on 3.10 only
-    import tomli as tomllib
 
 T = TypeVar("T")
 

@@ -101,9 +101,12 @@ def test_a_failover_is_followed_by_the_jobs_and_by_the_drop_listener(
             time.sleep(0.2)
 
         # the drop listener moved to the heir, which lists the namespace once subscribed
-        heir_at = f"127.0.0.1:{heir.port}"
-        events.until(lambda: heir_at in store.notified_by, "the heir listened to")
-        assert f"127.0.0.1:{victim.port}" not in store.notified_by
+        # (the heir's listener starts before the dead node's ends: wait for both)
+        heir_at, victim_at = f"127.0.0.1:{heir.port}", f"127.0.0.1:{victim.port}"
+        events.until(
+            lambda: heir_at in store.notified_by and victim_at not in store.notified_by,
+            "the heir listened to, the dead primary no longer",
+        )
         assert store.server_gaps >= 1
         assert events.held(store.identity) == set(keys)  # nothing was lost
 
