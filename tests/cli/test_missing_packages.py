@@ -63,8 +63,24 @@ def kvhex_without(hidden: str, *args: str, cwd: Path) -> subprocess.CompletedPro
             "kvhex run: --metrics-addr 127.0.0.1:0: needs prometheus_client, not installed: "
             "pip install 'kvhex[metrics]'",
         ),
+        (
+            "s3fs",
+            ["run", "--tier", "s3://bucket/kv", "--s3-endpoint", "http://127.0.0.1:1"],
+            "  $.tiers[0].options.url (from --tier s3://bucket/kv): kvhex tier 'fsspec' cannot "
+            "start: s3:// needs a package that is not installed (Install s3fs to access S3): "
+            "pip install 'kvhex[s3]'",
+        ),
     ],
-    ids=["run-torch", "run-numpy", "run-files", "events-zmq", "events-file", "fsck", "metrics"],
+    ids=[
+        "run-torch",
+        "run-numpy",
+        "run-files",
+        "events-zmq",
+        "events-file",
+        "fsck",
+        "metrics",
+        "run-s3",
+    ],
 )
 def test_a_missing_package_is_one_line_naming_its_extra(
     hidden: str, args: list[str], line: str, tmp_path: Path

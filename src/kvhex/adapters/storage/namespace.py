@@ -108,6 +108,14 @@ def open_fs(
         if url.startswith(("s3://", "s3a://")):
             kwargs["config_kwargs"] = {**S3_CLIENT_CONFIG, **kwargs.get("config_kwargs", {})}
         fs, root = fsspec.core.url_to_fs(url, **kwargs)
+    except ImportError as exc:  # the filesystem's package (s3fs for s3://) is not installed
+        scheme = url.partition("://")[0]
+        hint = ": pip install 'kvhex[s3]'" if scheme in ("s3", "s3a") else ""
+        raise TierUnavailable(
+            f"{scheme}:// needs a package that is not installed ({exc}){hint}",
+            tier=tier,
+            option=options.url,
+        ) from exc
     except Exception as exc:
         raise start_up_error(exc, url=url, tier=tier, options=options) from exc
     protocol = fs.protocol
