@@ -183,32 +183,25 @@ def test_the_main_job_runs_with_the_extras_the_readme_names(
     run = kvhex(bin_dir, *RUN, cwd=tmp_path)
     assert run.returncode == 0, run.stderr[-3000:]
     assert '"verdict": "intact"' in run.stdout
-    native = subprocess.run(
-        [str(bin_dir / "python"), "-c", NATIVE_PROBE],
-        capture_output=True,
-        text=True,
-        check=True,
-        cwd=tmp_path,
-    ).stdout.splitlines()[-1]
-    assert native == "native", "a compiler is here: the install built the native data path"
+    assert data_path(bin_dir, tmp_path) == "native"  # a compiler is here: the install built it
 
 
-NATIVE_PROBE = (
-    "from kvhex.adapters.storage.files.posix import PosixSlotMover; "
-    "print('native' if PosixSlotMover().native else 'python')"
-)
+def data_path(bin_dir: Path, cwd: Path) -> str:
+    """``native`` or ``python``: the file tier's data path in the installed kvhex (the last
+    line: a tier without the native path warns first)."""
+    probe = (
+        "from kvhex.adapters.storage.files.posix import PosixSlotMover; "
+        "print('native' if PosixSlotMover().native else 'python')"
+    )
+    done = subprocess.run(
+        [str(bin_dir / "python"), "-c", probe], capture_output=True, text=True, check=True, cwd=cwd
+    )
+    return done.stdout.splitlines()[-1]
 
 
 def test_the_sdist_installs_without_a_compiler(built: tuple[Path, Path], tmp_path: Path) -> None:
     _, sdist = built
     bin_dir = clean_venv(tmp_path / "no-compiler")
     pip(bin_dir, f"kvhex[files] @ {sdist.as_uri()}", env={"CC": "false"})
-    probe = subprocess.run(
-        [str(bin_dir / "python"), "-c", NATIVE_PROBE],
-        capture_output=True,
-        text=True,
-        check=True,
-        cwd=tmp_path,
-    )
-    assert probe.stdout.splitlines()[-1] == "python"  # after the tier's warning saying so
+    assert data_path(bin_dir, tmp_path) == "python"
     assert kvhex(bin_dir, "--version", cwd=tmp_path).returncode == 0
