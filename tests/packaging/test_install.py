@@ -61,11 +61,10 @@ def built(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
         "import sys, hatchling.build as b; "
         "print(b.build_wheel(sys.argv[1])); print(b.build_sdist(sys.argv[1]))"
     )
-    env = {k: v for k, v in os.environ.items() if k != "KVHEX_NATIVE"}  # a user's build
     done = subprocess.run(
         [sys.executable, "-c", hooks, str(dist)],
         cwd=source,
-        env=env,
+        env=_user_env(),  # a user's build
         capture_output=True,
         text=True,
         timeout=300,
@@ -98,14 +97,20 @@ def pip(bin_dir: Path, *args: str, env: dict[str, str] | None = None) -> None:
         text=True,
         timeout=900,
         check=False,
-        env={**os.environ, **(env or {})},
+        env={**_user_env(), **(env or {})},
     )
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
 
 
+def _user_env() -> dict[str, str]:
+    """This environment as a user's: none of the project's own build settings
+    (``KVHEX_NATIVE=required``, which ``make`` sets) and nothing on ``PYTHONPATH``."""
+    return {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "KVHEX_NATIVE")}
+
+
 def kvhex(bin_dir: Path, *args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
     """The installed ``kvhex`` script, run outside the checkout (nothing imported from it)."""
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "KVHEX_NATIVE")}
+    env = _user_env()
     return subprocess.run(
         [str(bin_dir / "kvhex"), *args],
         capture_output=True,
