@@ -56,13 +56,11 @@ from typing import Any
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 from _report import Report, add_repeats, parse
-from kvhex.adapters.codecs.aesgcm import KEY_ENV
 from kvhex.adapters.codecs.chain import CodecChain
 from kvhex.adapters.memory import MemoryHostBuffer
 from kvhex.bootstrap.codecs import plan_codecs
 from kvhex.domain import JobId, JobKind, TierJob, make_offload_key
 from kvhex.plugins import Registry
-from kvhex.testing import kv_like
 
 CHAINS: dict[str, list[Any]] = {
     "none": [],
@@ -89,6 +87,17 @@ def chain_of(name: str, dtype: str) -> CodecChain | None:
     return chain
 
 
+def master_key_for_the_run() -> None:
+    """``aes-gcm``'s master key: a random one for this run where none is set (nothing to set
+    without the ``cryptography`` package: a chain naming aes-gcm is then refused, with its
+    install hint)."""
+    try:
+        from kvhex.adapters.codecs.aesgcm import KEY_ENV
+    except ImportError:
+        return
+    os.environ.setdefault(KEY_ENV, os.urandom(32).hex())
+
+
 def codec_chain(parser: argparse.ArgumentParser, names: str, nixl: bool) -> Any:
     """``--codec``'s chain (``None`` without one), built as a configuration builds it."""
     if not names:
@@ -98,7 +107,7 @@ def codec_chain(parser: argparse.ArgumentParser, names: str, nixl: bool) -> Any:
     from kvhex.bootstrap.codecs import plan_codecs
     from kvhex.plugins import Registry
 
-    os.environ.setdefault("KVHEX_CODEC_KEY", os.urandom(32).hex())
+    master_key_for_the_run()
     chain, issues = plan_codecs(
         Registry.discover(), names.split(","), {"kv_cache_dtype": "float16"}, "--codec"
     )
@@ -500,7 +509,7 @@ def main() -> None:
     add_repeats(parser)
     args = parse(parser, QUICK)
     report = Report("block_codecs", args)
-    os.environ.setdefault(KEY_ENV, os.urandom(32).hex())
+    master_key_for_the_run()
     parts = set(args.parts.split(","))
     engine = vllm_available()
     with tempfile.TemporaryDirectory(prefix="kvhex-codecs-") as tmp_dir:
@@ -509,6 +518,8 @@ def main() -> None:
             blocks, dtype = engine_blocks(args, tmp, report)
         else:
             size = args.layers * 2 * args.hidden * 2 * BLOCK
+            from kvhex.testing import kv_like
+
             blocks, dtype = [kv_like(size, i) for i in range(args.blocks)], "float16"
             report.say(
                 f"blocks: {len(blocks)} synthetic (kv_like) of {size // 1024} KiB: vLLM is "

@@ -69,7 +69,6 @@ from kvhex.adapters.storage.objects.s3_direct import REQUESTS_IN_FLIGHT
 from kvhex.cli.bench import interval_text
 from kvhex.domain import JobId, JobKind, TierJob, make_offload_key
 from kvhex.plugins import TIERS, Registry
-from kvhex.testing import kv_like
 
 MiB = 1 << 20
 QUICK = {"total_mib": 2, "repeats": 1, "batch": 4}
@@ -332,7 +331,12 @@ def one_size(
     )
     fs.mkdir(BUCKET)
     # a repeated pattern compresses to nothing: with a codec chain, KV-like bytes on every side
-    pattern = os.urandom(16) * (chunk // 16) if args.chain is None else kv_like(chunk, 0)
+    if args.chain is None:
+        pattern = os.urandom(16) * (chunk // 16)
+    else:
+        from kvhex.testing import kv_like  # only with --codec: it loads pytest
+
+        pattern = kv_like(chunk, 0)
     runs: dict[str, Any] = {}
     closers: list[Callable[[], None]] = []
     try:

@@ -60,7 +60,6 @@ from kvhex.adapters.storage.files.posix import PosixSlotMover
 from kvhex.adapters.storage.fsspec import FsspecTierStore
 from kvhex.cli.bench import interval_text
 from kvhex.domain import JobId, JobKind, TierJob, make_offload_key
-from kvhex.testing import kv_like
 
 MiB = 1 << 20
 QUICK = {"total_mib": 8, "s3_total_mib": 2, "repeats": 1, "batch": 4}
@@ -266,6 +265,8 @@ def filled_host(slots: int, chunk: int, args: argparse.Namespace) -> MemoryHostB
         if args.chain is None:
             host.slot_view(s)[:] = os.urandom(16) * (chunk // 16)
         else:
+            from kvhex.testing import kv_like  # only with --codec: it loads pytest
+
             host.slot_view(s)[:] = kv_like(chunk, s)
     return host
 

@@ -34,6 +34,11 @@ def engine(tiers: list[dict[str, Any]]) -> Any:
     )
 
 
+def files_tier(url: str, codec: Any) -> dict[str, Any]:
+    """A file tier entry with a ``codec`` chain."""
+    return {"type": "fsspec", "options": {"url": url, "capacity_bytes": 1 << 22, "codec": codec}}
+
+
 def fails(tiers: list[dict[str, Any]]) -> tuple[tuple[str, str], ...]:
     with pytest.raises(ConfigError) as info:
         engine(tiers)
@@ -79,14 +84,7 @@ def test_every_codec_problem_is_named_at_its_key_and_nothing_is_built(
     first, second = tmp_path / "a", tmp_path / "b"
     issues = fails(
         [
-            {
-                "type": "fsspec",
-                "options": {
-                    "url": str(first),
-                    "capacity_bytes": 1 << 22,
-                    "codec": ["nope", "aes-gcm"],
-                },
-            },
+            files_tier(str(first), ["nope", "aes-gcm"]),
             {
                 "type": "fsspec",
                 "name": "b",
@@ -119,34 +117,14 @@ def test_a_wrong_master_key_is_named_and_never_echoed(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv(KEY_ENV, "not-a-key-" + "x" * 30)
-    ((path, problem),) = fails(
-        [
-            {
-                "type": "fsspec",
-                "options": {
-                    "url": str(tmp_path / "kv"),
-                    "capacity_bytes": 1 << 22,
-                    "codec": ["aes-gcm"],
-                },
-            }
-        ]
-    )
+    ((path, problem),) = fails([files_tier(str(tmp_path / "kv"), ["aes-gcm"])])
     assert path == "$.tiers[0].options.codec[0].key_env"
     assert "does not hold a 32-byte key" in problem
     assert "not-a-key" not in problem
     key_file = tmp_path / "master.key"
     key_file.write_bytes(bytes(16))
     ((path, problem),) = fails(
-        [
-            {
-                "type": "fsspec",
-                "options": {
-                    "url": str(tmp_path / "kv"),
-                    "capacity_bytes": 1 << 22,
-                    "codec": [{"name": "aes-gcm", "key_file": str(key_file)}],
-                },
-            }
-        ]
+        [files_tier(str(tmp_path / "kv"), [{"name": "aes-gcm", "key_file": str(key_file)}])]
     )
     assert path == "$.tiers[0].options.codec[0].key_file"
     assert not (tmp_path / "kv").exists()
@@ -157,18 +135,7 @@ def test_a_codec_whose_package_is_missing_names_its_extra(
 ) -> None:
     monkeypatch.setitem(sys.modules, "zstandard", None)  # as if never installed
     monkeypatch.delitem(sys.modules, "kvhex.adapters.codecs.zstd", raising=False)
-    ((path, problem),) = fails(
-        [
-            {
-                "type": "fsspec",
-                "options": {
-                    "url": str(tmp_path / "kv"),
-                    "capacity_bytes": 1 << 22,
-                    "codec": ["zstd"],
-                },
-            }
-        ]
-    )
+    ((path, problem),) = fails([files_tier(str(tmp_path / "kv"), ["zstd"])])
     assert path == "$.tiers[0].options.codec[0]"
     assert "pip install 'kvhex[zstd]'" in problem
     assert not (tmp_path / "kv").exists()

@@ -68,7 +68,6 @@ class CodecChain:
         lossy = [i for i, c in enumerate(codecs) if c.lossy]
         self._checked_at = lossy[-1] + 1 if lossy else 0  # the stage whose input is checked
         self.lossy = bool(lossy)
-        self.keyed = any(c.keyed for c in codecs)
         sealers = [c for c in codecs if isinstance(c, RecordSealing)]
         self.record_sealer: RecordSealing | None = sealers[0] if sealers else None
         """The codec sealing the chunk records blocks keep in their headers (``None``: kept
