@@ -14,12 +14,12 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.kvhex-installed
 PIP := -m pip install --quiet --disable-pip-version-check
-# The file tier's native data path (hatch_build.py) is optional for users: `make run` builds it
-# where a C compiler is found and runs the Python path elsewhere. Everything else requires it:
-# a failed compile fails the install, and the tests fail on a .venv built without it, so they
+# kvhex's native modules (hatch_build.py) are optional for users: `make run` builds them
+# where a C compiler is found and runs the Python paths elsewhere. Everything else requires them:
+# a failed compile fails the install, and the tests fail on a .venv built without them, so they
 # always run both paths.
 export KVHEX_NATIVE := required
-NATIVE_SRC := hatch_build.py src/kvhex/adapters/storage/files/_slotio.c
+NATIVE_SRC := hatch_build.py src/kvhex/adapters/storage/files/_slotio.c src/kvhex/domain/_hostslots.c
 
 VLLM_VENV ?= .venv-vllm
 VBIN := $(VLLM_VENV)/bin
@@ -131,4 +131,4 @@ bench: $(STAMP)
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) $(VLLM32_VENV) $(DYNAMO_VENV) .mypy_cache .ruff_cache build dist
-	rm -f src/kvhex/adapters/storage/files/_slotio*.so
+	rm -f src/kvhex/adapters/storage/files/_slotio*.so src/kvhex/domain/_hostslots*.so

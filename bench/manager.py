@@ -20,6 +20,8 @@ machine drift hits them alike. The sides:
 * ``kvhex``: ``KvhexOffloadingSpec(...).get_manager()`` as vLLM builds it (host tier only,
   in vLLM's shared region; events on), drained by ``take_events`` (vLLM's raw events, as its
   stock ``OffloadingConnector`` calls it);
+* ``kvhex-py``: the same without the native module ``_hostslots`` (as where no C compiler
+  was found at install): the host tier's per-key work and every lookup in Python;
 * ``kvhex-kv``: the same, each request announced inside ``incoming(request)`` and drained by
   ``take_kv_events`` (kvhex's full-provenance events, as ``KvhexOffloadingConnector`` does).
 
@@ -41,6 +43,7 @@ subtracted from every call.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import cProfile
 import gc
 import logging
@@ -50,6 +53,7 @@ import time
 import uuid
 from collections.abc import Callable
 from typing import Any
+from unittest import mock
 
 import structlog
 
@@ -147,8 +151,18 @@ def vllm_sides(slots: int) -> list[Side] | None:
         return None
     theirs = CPUOffloadingManager(num_chunks=slots, cache_policy="lru", enable_events=True)
     sides = [Side("vllm", theirs, "vllm")]
-    for name, kv_events in (("kvhex", False), ("kvhex-kv", True)):
-        ours = KvhexOffloadingSpec(offloading_config(slots, events=True)).get_manager()
+    for name, kv_events, native in (
+        ("kvhex", False, True),
+        ("kvhex-py", False, False),
+        ("kvhex-kv", True, True),
+    ):
+        with contextlib.ExitStack() as stack:
+            if not native:  # as where no C compiler was found at install
+                for where in ("kvhex.domain.primary", "kvhex.service.tiering"):
+                    stack.enter_context(
+                        mock.patch(f"{where}.native_module", return_value=(None, "off"))
+                    )
+            ours = KvhexOffloadingSpec(offloading_config(slots, events=True)).get_manager()
         sides.append(Side(name, ours, "vllm", kv_events))
     return sides
 

@@ -99,18 +99,20 @@ def test_manager_bench_replays_every_scheduler_call_and_reports_the_headline() -
         assert headline["kvhex"] > 0
         assert all(row["baseline"] is None for row in rows.values())
         return
-    for side in ("kvhex", "kvhex-kv"):  # both event paths, each beside vLLM's manager
+    # both event paths, and the Python path, each beside vLLM's manager
+    for side in ("kvhex", "kvhex-py", "kvhex-kv"):
         headline = rows[f"bookkeeping per chunk operation ({side})"]
         assert headline["kvhex"] > 0
         assert headline["baseline"] > 0
         assert headline["ratio_low"] <= headline["ratio"] <= headline["ratio_high"]
-    # every side replayed the trace; kvhex's two event paths made the same decisions (vLLM's
-    # breaks LRU ties among one job's keys in the set's order, so its counts may differ a bit)
+    # every side replayed the trace; kvhex's sides made the same decisions, natively or not
+    # (vLLM's breaks LRU ties among one job's keys in the set's order, so its counts may
+    # differ a bit)
     counts = dict(
         line.split(": ", 1) for line in report.splitlines() if " lookups, hit rate " in line
     )
-    assert set(counts) == {"vllm", "kvhex", "kvhex-kv"}
-    assert counts["kvhex"] == counts["kvhex-kv"]
+    assert set(counts) == {"vllm", "kvhex", "kvhex-py", "kvhex-kv"}
+    assert counts["kvhex"] == counts["kvhex-kv"] == counts["kvhex-py"]
 
 
 EVENT_SHAPES = ("16 blocks x 16 tokens", "1 block x 32 tokens")

@@ -139,3 +139,21 @@ def test_a_tier_found_announced_alike_later_shares_the_residency_exactly() -> No
     assert ann.order([Removed((keys[0],), MORE)]) == []  # FILES still holds it
     assert ann.order([Removed((keys[0],), FILES)]) == [Removed((keys[0],), FILES)]
     assert ann.order([Removed((keys[1],), MORE)]) == [Removed((keys[1],), FILES)]
+
+
+def test_a_key_listed_twice_or_never_announced_is_named_once_or_not_at_all() -> None:
+    """Placeholders (no provenance) of a tier announced alone: the common case, taken on a
+    path of its own. A key listed twice is announced once; a removal names each announced
+    key once and never one that was not announced."""
+    a, b, c, d = (bytes([i]) * 36 for i in range(4))
+    ann = Announcer()
+    out = ann.order([Stored((a, b, a), CPU), Stored((b, c), CPU)])
+    assert stores(out) == [(CPU, (a, b)), (CPU, (c,))]
+    out = ann.order([Removed((a, d, a), CPU), Removed((d,), CPU), Removed((b, c), CPU)])
+    assert [(e.tier, e.keys) for e in out] == [(CPU, (a,)), (CPU, (b, c))]
+    assert not ann.is_announced(a)
+    assert not ann.is_announced(c)
+    out = ann.order([Stored((a,), CPU), Stored((a,), ANON)])  # again, and elsewhere too
+    assert stores(out) == [(CPU, (a,)), (ANON, (a,))]
+    assert ann.order([Cleared(CPU)]) == [Removed((a,), CPU)]
+    assert ann.is_announced(a)  # still in the other residency

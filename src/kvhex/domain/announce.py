@@ -100,7 +100,6 @@ class Announcer:
         "_device",
         "_held",
         "_holders",
-        "_live",
         "_publish_as",
         "_sharing",
         "_solo",
@@ -111,7 +110,6 @@ class Announcer:
         self._publish_as = dict(publish_as or {})
         self._announced: dict[TierIdentity, set[OffloadKey]] = {}  # per tier: keys announced
         self._holders: dict[TierIdentity, dict[OffloadKey, int]] = {}  # public -> key -> tiers
-        self._live: dict[OffloadKey, int] = {}  # key -> public residencies announcing it
         self._waiting: dict[OffloadKey, list[_Held]] = {}  # parent -> keys waiting for it
         self._held: dict[TierIdentity, dict[OffloadKey, _Held]] = {}  # per tier: waiting keys
         self._device: list[_Held] = []  # keys waiting this step whose parent is the device's
@@ -130,8 +128,10 @@ class Announcer:
         return frozenset(self._held.get(tier, ()))
 
     def is_announced(self, key: OffloadKey) -> bool:
-        """Whether ``key`` is announced in some residency (and not removed since)."""
-        return key in self._live
+        """Whether ``key`` is announced in some residency (and not removed since): some tier
+        announced it and did not take it back (a check per chain head, over the few tiers,
+        instead of a count per announced key)."""
+        return any(key in mine for mine in self._announced.values())
 
     # -- the step's events ---------------------------------------------------------------
     def order(self, raw: Iterable[TierEvent]) -> list[TierEvent]:
@@ -190,13 +190,13 @@ class Announcer:
                 return
             if ctx is not None and _one_chain(found):  # the common case: a job's chunks
                 head = span_parent(ctx, keys[0], found[0])  # type: ignore[arg-type]
-                if head is None or head in self._live:
+                if head is None or self.is_announced(head):
                     self._emit(_Run(tier, keys, ctx, [None] * len(keys)), out)
                     return
             records = dict.fromkeys(keys)
             for k, span in zip(keys, found, strict=True):
                 parents[k] = False if span is None or ctx is None else span_parent(ctx, k, span)
-        live = self._live
+        live = self.is_announced
         device = ctx is not None and ctx.provenance is not None and ctx.provenance.device_events
         going: list[OffloadKey] = []  # what goes now, chain after chain, parents first
         ready: set[OffloadKey] = set()
@@ -206,7 +206,7 @@ class Announcer:
             go = 0
             for key in chain:
                 parent = parents[key] if go == 0 else chain[go - 1]
-                if parent is None or parent is False or parent in live or parent in ready:
+                if parent is None or isinstance(parent, bool) or parent in ready or live(parent):
                     break
                 go += 1
             for i in range(go):
@@ -237,19 +237,24 @@ class Announcer:
         no other tier is announced as this one's public identity."""
         tier = event.tier
         mine = self._announced.setdefault(tier, set())
-        keys = [key for key in dict.fromkeys(event.keys) if key not in mine]
+        given = event.keys
+        before = len(mine)
+        keys = given if mine.isdisjoint(given) else [key for key in given if key not in mine]
+        mine.update(keys)
+        if len(mine) - before != len(keys):  # a key listed twice: announced once, in order
+            keys = list(dict.fromkeys(keys))
         if not keys:
             return
-        mine.update(keys)
-        live = self._live
-        for key in keys:
-            live[key] = live.get(key, 0) + 1
-        out.append(Stored(tuple(keys), self._publish_as.get(tier, tier), event.ctx))
+        public = self._publish_as.get(tier, tier)
+        if keys is given and public is tier:  # (the common case: the tier's event as it is)
+            out.append(event)
+        else:
+            out.append(Stored(tuple(keys), public, event.ctx))
 
     def _emit(self, first: _Run, out: list[TierEvent]) -> None:
         """Announce ``first``, then every key that waited for a key announced meanwhile."""
         work = deque(((first, False),))
-        live, waiting = self._live, self._waiting
+        waiting = self._waiting
         while work:
             run, released = work.popleft()
             tier = run.tier
@@ -270,14 +275,9 @@ class Announcer:
             else:  # the only tier announced so: a key it did not announce is new
                 mine.update(run.keys)
                 new, records = run.keys, run.records
-            if not waiting:  # no key waits for a parent: count the residencies alone
+            if waiting:  # keys wait for a parent: those of the keys announced now go next
                 for key in new:
-                    live[key] = live.get(key, 0) + 1
-            else:
-                for key in new:
-                    before = live.get(key, 0)
-                    live[key] = before + 1
-                    if not before and key in waiting:
+                    if key in waiting:  # (a key waits only for a parent not announced)
                         while (waiters := waiting.get(key)) is not None:
                             held = waiters[0]
                             self._unhold(held)
@@ -349,25 +349,24 @@ class Announcer:
 
     # -- removals ------------------------------------------------------------------------
     def _removed(
-        self, keys: Iterable[OffloadKey], tier: TierIdentity, out: list[TierEvent]
+        self, keys: tuple[OffloadKey, ...], tier: TierIdentity, out: list[TierEvent]
     ) -> None:
         public = self._publish_as.get(tier, tier)
         mine = self._announced.get(tier)
         held = self._held.get(tier)
         shared = tier not in self._solo and self._shares(public, tier)
         holders = self._holders.get(public, {}) if shared else None
-        live = self._live
         if held is None and holders is None and mine is not None:  # the common case
-            gone = [key for key in dict.fromkeys(keys) if key in mine]
+            gone = keys if mine.issuperset(keys) else tuple(k for k in keys if k in mine)
+            if not gone:
+                return
+            before = len(mine)
             mine.difference_update(gone)
-            for key in gone:
-                count = live.pop(key, 1) - 1
-                if count > 0:
-                    live[key] = count
-            if gone:
-                out.append(Removed(tuple(gone), public))
+            if before - len(mine) != len(gone):  # a key listed twice: named once
+                gone = tuple(dict.fromkeys(gone))
+            out.append(Removed(gone, public))
             return
-        gone = []
+        dropped: list[OffloadKey] = []
         for key in dict.fromkeys(keys):
             if held is not None and (waiting := held.get(key)) is not None:
                 self._unhold(waiting)  # never announced; its children keep waiting for it
@@ -380,12 +379,9 @@ class Announcer:
                 if count > 0:
                     holders[key] = count  # another tier still holds it under this identity
                     continue
-            gone.append(key)
-            count = live.pop(key, 1) - 1
-            if count > 0:
-                live[key] = count
-        if gone:
-            out.append(Removed(tuple(gone), public))
+            dropped.append(key)
+        if dropped:
+            out.append(Removed(tuple(dropped), public))
 
 
 def _one_chain(found: list[Span | None]) -> bool:

@@ -17,12 +17,21 @@ Key checks: keys entering the tier (``prepare_store``) must be ``bytes`` of the 
 length (fixed by the first stored key unless configured). ``lookup`` does no checks on its
 hot path: a key that could never have been stored is a ``MISS``; an unhashable one raises
 ``InvalidKeyError``.
+
+Two paths, one behaviour: under the built-in :class:`LruPolicy` the per-key work of pins,
+touches, stores and evictions runs in the native module ``_hostslots`` (``_hostslots.c``,
+compiled at install where a C compiler is found), which keeps the recency order, the free
+slots and each slot's key itself; otherwise, or where it was not built, in Python, over a
+``SlotPool`` and the policy object. Both give the same answers, slots, victims and events
+(tests/domain/test_primary_native.py compares them operation by operation).
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Collection, Mapping, Sequence
-from typing import NamedTuple
+from types import ModuleType
+from typing import TYPE_CHECKING, NamedTuple
 
 import attrs
 
@@ -30,16 +39,41 @@ from kvhex.domain.admission import OfferTracker
 from kvhex.domain.events import Cleared, Removed, Stored, TierEvent
 from kvhex.domain.keys import OffloadKey, check_key
 from kvhex.domain.policies.base import EvictionPolicy
+from kvhex.domain.policies.lru import LruPolicy
 from kvhex.domain.request import ReqContext
 from kvhex.domain.slots import SlotPool
 from kvhex.domain.tiers import LookupResult, Medium, TierIdentity
 from kvhex.errors import InvalidKeyError, StateError
+
+if TYPE_CHECKING:
+    from kvhex.domain._hostslots import LruSlots
 
 _MISS = LookupResult.MISS
 _HIT = LookupResult.HIT
 _HIT_PENDING = LookupResult.HIT_PENDING
 
 PRIMARY_IDENTITY = TierIdentity(Medium.CPU)
+_NATIVE_API = 1
+"""The ``_hostslots`` API this code speaks (a build of another version is not used)."""
+
+
+@functools.cache
+def native_module() -> tuple[ModuleType | None, str]:
+    """The native module ``_hostslots`` (``_hostslots.c``), or ``None`` and why it cannot
+    run here."""
+    try:
+        from kvhex.domain import _hostslots
+    except ImportError as exc:
+        return None, (
+            f"not built ({exc}); reinstall kvhex where a C compiler and Python's headers are "
+            "found (KVHEX_NATIVE=required makes a failed build an error)"
+        )
+    if _hostslots.API_VERSION != _NATIVE_API:
+        return None, (
+            f"the built module is version {_hostslots.API_VERSION}, this code expects "
+            f"{_NATIVE_API}: reinstall kvhex to rebuild it"
+        )
+    return _hostslots, ""
 
 
 class StorePlan(NamedTuple):
@@ -95,6 +129,8 @@ class PrimaryTier:
         "_index",
         "_key_length",
         "_loads",
+        "_native",
+        "_num_slots",
         "_offered",
         "_pending",
         "_policy",
@@ -119,8 +155,26 @@ class PrimaryTier:
         max_tracker_size: int = 64_000,
         key_length: int | None = None,
         record_events: bool = True,
+        native: bool | None = None,
     ) -> None:
+        """Args:
+        num_slots: capacity in host slots.
+        policy: the eviction policy (a fresh one, holding no key).
+        identity: the tier's identity in its events.
+        store_threshold: offers a chunk needs before it is stored.
+        max_tracker_size: chunks the offer tracker remembers (with a threshold).
+        key_length: the keys' length in bytes (default: the first stored key's).
+        record_events: append events (off: the tier announces nothing).
+        native: run the per-key work in the native module (``None``: where it was built and
+            ``policy`` is exactly :class:`LruPolicy`, which it then replaces; ``False``:
+            never).
+
+        Raises:
+            ValueError: ``native=True`` where the module was not built or the policy is not
+                :class:`LruPolicy`.
+        """
         self._pool = SlotPool(num_slots)
+        self._num_slots = num_slots
         self._policy = policy
         self.identity = identity
         self._tracker = (
@@ -146,12 +200,26 @@ class PrimaryTier:
         self._evictions = 0
         self._loads = 0
         self._allocation_sizes: dict[int, int] = {}
+        self._native: LruSlots | None = None
+        if native is not False:
+            module, why = native_module()
+            if type(policy) is not LruPolicy:
+                why = f"the policy is {type(policy).__name__}, the native path runs LruPolicy"
+            if native and why:
+                raise ValueError(f"native=True, but {why}")
+            if module is not None and not why:
+                self._native = module.LruSlots(num_slots, self._index, self._refs)
 
     # -- queries -------------------------------------------------------------------------
     @property
     def num_slots(self) -> int:
         """Capacity in slots."""
-        return self._pool.num_slots
+        return self._num_slots
+
+    @property
+    def native(self) -> bool:
+        """Whether the per-key work runs in the native module (see the module docstring)."""
+        return self._native is not None
 
     @property
     def store_threshold(self) -> int:
@@ -242,8 +310,15 @@ class PrimaryTier:
 
     def _pin(self, keys: Sequence[OffloadKey], operation: str, times: int = 1) -> list[int]:
         # one pass, pinning as it goes; a key that cannot be pinned undoes the pass
+        if self._native is not None:
+            pinned = self._native.pin(keys, times)
+            if isinstance(pinned, int):
+                raise self._pin_error(keys[pinned], operation)
+            slots, newly = pinned
+            self._evictable -= newly
+            return slots
         index, refs = self._index, self._refs
-        slots: list[int] = []
+        slots = []
         newly_pinned = []
         for key in keys:
             try:
@@ -253,10 +328,7 @@ class PrimaryTier:
                 raise InvalidKeyError(key, "unhashable") from None
             if slot is None or refs[slot] < 0:
                 self._undo(slots, -times)
-                if slot is None:
-                    check_key(key, self._key_length)
-                    raise StateError(operation, key, "not stored")
-                raise StateError(operation, key, "write pending")
+                raise self._pin_error(key, operation)
             count = refs[slot]
             if not count:
                 newly_pinned.append(key)
@@ -267,13 +339,36 @@ class PrimaryTier:
             self._policy.mark_pinned(newly_pinned)
         return slots
 
+    def _pin_error(self, key: object, operation: str) -> Exception:
+        """Why ``key`` cannot be pinned (absent, pending, not a key)."""
+        try:
+            slot = self._index.get(key)  # type: ignore[call-overload]
+        except TypeError:
+            return InvalidKeyError(key, "unhashable")
+        if slot is None:
+            check_key(key, self._key_length)
+            return StateError(operation, key, "not stored")  # type: ignore[arg-type]
+        return StateError(operation, key, "write pending")  # type: ignore[arg-type]
+
     def _unpin(self, keys: Sequence[OffloadKey], operation: str) -> None:
         # one pass, unpinning as it goes; a key that is not pinned undoes the pass
+        if self._native is not None:
+            freed_count = self._native.unpin(keys)
+            if freed_count < 0:
+                key = keys[-freed_count - 1]
+                state = "not stored" if key not in self._index else "not pinned"
+                raise StateError(operation, key, state)
+            self._evictable += freed_count
+            return
         index, refs = self._index, self._refs
         slots: list[int] = []
         freed = []
         for key in keys:
-            slot = index.get(key)
+            try:
+                slot = index.get(key)
+            except TypeError:
+                self._undo(slots, 1)
+                raise
             if slot is None or refs[slot] <= 0:
                 self._undo(slots, 1)
                 raise StateError(operation, key, "not stored" if slot is None else "not pinned")
@@ -293,7 +388,10 @@ class PrimaryTier:
 
     def touch(self, keys: Sequence[OffloadKey], ctx: ReqContext | None = None) -> None:
         """Mark ``keys`` recently used (forwarded to the policy with the exact ``ctx``)."""
-        self._policy.touch(keys, ctx)
+        if self._native is not None:
+            self._native.touch(keys)
+        else:
+            self._policy.touch(keys, ctx)
 
     # -- stores (device -> host) ---------------------------------------------------------
     def prepare_store(
@@ -314,15 +412,24 @@ class PrimaryTier:
             InvalidKeyError: a new key is not bytes of the tier's key length.
         """
         index = self._index
-        length = self._key_length
-        candidates: list[OffloadKey] = []
-        for key in keys:
-            if type(key) is not bytes or len(key) != length:
-                length = self._learn_key_length(key)
-            if key not in index:
-                candidates.append(key)
-        if len(candidates) > 1 and len(set(candidates)) != len(candidates):
-            candidates = list(dict.fromkeys(candidates))
+        native = self._native
+        candidates: list[OffloadKey]
+        if native is not None and self._tracker is None:  # one native pass
+            return self._store_natively(native, keys, protect)
+        if native is not None:
+            while isinstance(found := native.candidates(keys, self._key_length or -1), int):
+                self._learn_key_length(keys[found])  # raises unless it learns the length
+            candidates = found
+        else:
+            length = self._key_length
+            candidates = []
+            for key in keys:
+                if type(key) is not bytes or len(key) != length:
+                    length = self._learn_key_length(key)
+                if key not in index:
+                    candidates.append(key)
+            if len(candidates) > 1 and len(set(candidates)) != len(candidates):
+                candidates = list(dict.fromkeys(candidates))
         tracker = self._tracker
         if tracker is not None:
             tracker.offer(keys)
@@ -335,7 +442,7 @@ class PrimaryTier:
         sizes = self._allocation_sizes
         sizes[n] = sizes.get(n, 0) + 1
         pool = self._pool
-        need = n - pool.free_count
+        need = n - (pool.free_count if native is None else native.free_count)
         evicted: list[OffloadKey] = []
         if need > 0:
             if need > self._evictable:
@@ -343,16 +450,22 @@ class PrimaryTier:
                 return None
             protected = set(keys)
             protected.update(protect)
-            victims = self._policy.evict(need, protected)
+            if native is not None:
+                victims = native.evict(need, protected)
+            else:
+                victims = self._policy.evict(need, protected)
+                if victims is not None:
+                    pool.release_all([index.pop(victim) for victim in victims])
             if victims is None:
                 self._unallocated += 1
                 return None
             evicted = victims
-            pool.release_all([index.pop(victim) for victim in victims])
-            self._evictable -= need
-            self._evictions += need
-            if self._record_events:
-                self._events.append(Removed(tuple(victims), self.identity))
+            self._evict_counted(victims)
+        if native is not None:
+            slots = native.insert(candidates, self._prepared)
+            self._pending += n
+            self._prepared += n
+            return StorePlan(candidates, slots, evicted)
         slots = pool.allocate(n)
         refs, offered = self._refs, self._offered
         seq = self._prepared
@@ -365,6 +478,39 @@ class PrimaryTier:
         self._pending += n
         self._prepared += n
         return StorePlan(candidates, slots, evicted)
+
+    def _store_natively(
+        self, native: LruSlots, keys: Sequence[OffloadKey], protect: Collection[OffloadKey]
+    ) -> StorePlan | None:
+        """``prepare_store`` with no store threshold, the per-key work in one native call."""
+        while isinstance(
+            placed := native.store(
+                keys, self._key_length or -1, self._evictable, protect, self._prepared
+            ),
+            int,
+        ):
+            self._learn_key_length(keys[placed])  # raises unless it learns the length
+        candidates, slots, victims = placed
+        if not (n := len(candidates)):
+            return StorePlan(candidates, [], [])
+        sizes = self._allocation_sizes
+        sizes[n] = sizes.get(n, 0) + 1
+        if slots is None or victims is None:  # no room, even evicting: nothing changed
+            self._unallocated += 1
+            return None
+        if victims:
+            self._evict_counted(victims)
+        self._pending += n
+        self._prepared += n
+        return StorePlan(candidates, slots, victims)
+
+    def _evict_counted(self, victims: list[OffloadKey]) -> None:
+        """Count and announce ``victims``, evicted."""
+        need = len(victims)
+        self._evictable -= need
+        self._evictions += need
+        if self._record_events:
+            self._events.append(Removed(tuple(victims), self.identity))
 
     def _learn_key_length(self, key: object) -> int:
         checked = check_key(key, self._key_length)
@@ -393,6 +539,20 @@ class PrimaryTier:
         """
         index, refs = self._index, self._refs
         done: list[OffloadKey] = []
+        native = self._native
+        if native is not None:
+            done = native.complete(keys, pin) if success else native.fail(keys)
+            n = len(done)
+            if not success:
+                self._failed += n
+            elif n:
+                if not pin:
+                    self._evictable += n
+                self._stored += n
+                if self._record_events:
+                    self._events.append(Stored(tuple(done), self.identity, ctx))
+            self._pending -= n
+            return done
         if success:
             for key in keys:
                 slot = index.get(key)
@@ -440,9 +600,12 @@ class PrimaryTier:
         """Forget every chunk and announce ``Cleared``. Events not yet taken are kept (they
         precede the ``Cleared``). The learned key length and cumulative counters are kept."""
         self._index.clear()
-        self._refs[:] = [0] * self._pool.num_slots  # in place: readers hold this list
+        self._refs[:] = [0] * self._num_slots  # in place: readers hold this list
         self._pool.reset()
-        self._policy.clear()
+        if self._native is not None:
+            self._native.reset()
+        else:
+            self._policy.clear()
         if self._tracker is not None:
             self._tracker.clear()
         self._pending = 0
@@ -452,7 +615,7 @@ class PrimaryTier:
 
     def stats(self) -> PrimaryStats:
         """A snapshot of gauges and cumulative counters."""
-        n = self._pool.num_slots
+        n = self._num_slots
         resident = len(self._index)
         pinned = resident - self._pending - self._evictable
         frac = (lambda x: x / n) if n else (lambda x: 0.0)

@@ -14,7 +14,8 @@ observe has a method of its own (``set_geometry``, ``set_load_mode``, ``observe_
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence, Sized
+from typing import TYPE_CHECKING, Any
 
 from kvhex.domain.announce import Announcer
 from kvhex.domain.cost import LoadMode
@@ -25,12 +26,14 @@ from kvhex.domain.keys import OffloadKey
 from kvhex.domain.primary import StorePlan
 from kvhex.domain.request import ReqContext
 from kvhex.domain.tiers import LookupResult, OffloadPolicy, TierIdentity
-from kvhex.errors import StateError
 from kvhex.ports.event_sink import EventSink
 from kvhex.ports.tier_store import TierStore, tier_identities
 from kvhex.service.events import EventPipeline
 from kvhex.service.stats import TieringStats
-from kvhex.service.tiering import TieringManager
+from kvhex.service.tiering import TieringManager, refused
+
+if TYPE_CHECKING:
+    from kvhex.domain._hostslots import HitPath
 
 
 def announcer_for(tiers: Iterable[TierStore], owned: Collection[TierIdentity] = ()) -> Announcer:
@@ -75,7 +78,7 @@ class OffloadEngine:
 
     def _live(self, operation: str) -> TieringManager:
         if self._closed:
-            raise _refused(operation)
+            raise refused(operation)
         return self._manager
 
     def lookup(self, key: OffloadKey, ctx: ReqContext, *, promote: bool = True) -> LookupResult:
@@ -84,10 +87,32 @@ class OffloadEngine:
         that must keep host slots free of new writes for a while (after a reset, until its
         workers confirmed that no late device copy still writes them)."""
         if self._closed:  # inline, not _live: per chunk, per step
-            raise _refused("lookup")
+            raise refused("lookup")
         if promote:
             return self._manager.lookup(key, ctx)
         return self._manager.lookup_host(key)
+
+    def lookup_function(
+        self, *, promote: bool = True
+    ) -> Callable[[OffloadKey, ReqContext], LookupResult]:
+        """``lookup(key, ctx, promote=promote)`` as one bound call, without this facade's
+        frame in between: for an engine adapter that calls it per chunk, per step. Like
+        ``lookup`` it refuses (``StateError``) once the engine is shut down."""
+        manager = self._live("lookup_function")
+        return manager.lookup if promote else manager.lookup_host
+
+    def hit_path(
+        self,
+        fallback: Callable[[OffloadKey, Any], Any],
+        hit: object,
+        miss: object,
+        idle: Sequence[Sized] = (),
+    ) -> HitPath | None:
+        """A native callable answering ``hit`` (``miss``) for a lookup that ``lookup`` would
+        answer ``HIT`` from host memory (``MISS`` with no secondary tier), and
+        ``fallback(key, engine_ctx)`` otherwise; ``None`` where the native module was not
+        built. See ``TieringManager.hit_path``."""
+        return self._live("hit_path").hit_path(fallback, hit, miss, idle)
 
     def plan_ahead(
         self, runs: Sequence[Sequence[OffloadKey]], ctx: ReqContext, *, busy: bool = False
@@ -105,25 +130,25 @@ class OffloadEngine:
     def prepare_load(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> list[int]:
         """Pin the host slots of ``keys`` (answered ``HIT``) for a device load."""
         if self._closed:
-            raise _refused("prepare_load")
+            raise refused("prepare_load")
         return self._manager.prepare_load(keys, ctx)
 
     def touch(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> None:
         """Mark ``keys`` recently used in every tier."""
         if self._closed:
-            raise _refused("touch")
+            raise refused("touch")
         self._manager.touch(keys, ctx)
 
     def complete_load(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> None:
         """The device load of ``keys`` finished."""
         if self._closed:
-            raise _refused("complete_load")
+            raise refused("complete_load")
         self._manager.complete_load(keys, ctx)
 
     def prepare_store(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> StorePlan | None:
         """Reserve host slots for new keys; ``None`` when the host tier is full."""
         if self._closed:
-            raise _refused("prepare_store")
+            raise refused("prepare_store")
         return self._manager.prepare_store(keys, ctx)
 
     def complete_store(
@@ -131,25 +156,25 @@ class OffloadEngine:
     ) -> None:
         """The device -> host store of ``keys`` finished (or failed)."""
         if self._closed:
-            raise _refused("complete_store")
+            raise refused("complete_store")
         self._manager.complete_store(keys, ctx, success)
 
     def on_new_request(self, ctx: ReqContext) -> OffloadPolicy:
         """First sight of a request; its offload policy."""
         if self._closed:
-            raise _refused("on_new_request")
+            raise refused("on_new_request")
         return self._manager.on_new_request(ctx)
 
     def on_request_finished(self, ctx: ReqContext) -> None:
         """No more submissions for ``ctx`` (completions may still arrive)."""
         if self._closed:
-            raise _refused("on_request_finished")
+            raise refused("on_request_finished")
         self._manager.on_request_finished(ctx)
 
     def on_schedule_end(self) -> None:
         """Once per scheduler step."""
         if self._closed:
-            raise _refused("on_schedule_end")
+            raise refused("on_schedule_end")
         self._manager.on_schedule_end()
 
     def take_events(self, exclude: Collection[TierIdentity] = ()) -> list[PublicEvent]:
@@ -166,7 +191,7 @@ class OffloadEngine:
         tracker); ``exclude`` as for ``take_events``. Either this or ``take_events`` drains a
         step's events, not both."""
         if self._closed:
-            raise _refused("take_events")
+            raise refused("take_events")
         raw = self._manager.take_events()
         if exclude:
             raw = [event for event in raw if event.tier not in exclude]
@@ -249,7 +274,3 @@ class OffloadEngine:
     def announcer(self) -> Announcer:
         """Orders and relabels the tiers' events before they are announced."""
         return self._announcer
-
-
-def _refused(operation: str) -> StateError:
-    return StateError(operation, b"", "refused: the engine was shut down")

@@ -22,7 +22,8 @@ Threading: every method runs on the scheduler thread. Only ``reset`` and ``shutd
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Sequence, Sized
+from typing import TYPE_CHECKING, Any
 
 import attrs
 import structlog
@@ -33,10 +34,10 @@ from kvhex.domain.events import TierEvent
 from kvhex.domain.geometry import KvGeometry
 from kvhex.domain.jobs import JobId, JobKind, JobResult, TierJob
 from kvhex.domain.keys import OffloadKey
-from kvhex.domain.primary import PrimaryTier, StorePlan
+from kvhex.domain.primary import PrimaryTier, StorePlan, native_module
 from kvhex.domain.request import ReqContext
 from kvhex.domain.tiers import LookupResult, OffloadPolicy, TierIdentity
-from kvhex.errors import TierError
+from kvhex.errors import StateError, TierError
 from kvhex.ports.capabilities import Closeable
 from kvhex.ports.host_buffer import HostBuffer
 from kvhex.ports.tier_store import TierStore
@@ -44,6 +45,9 @@ from kvhex.service.loading import LoadDecider
 from kvhex.service.promotions import Promotions
 from kvhex.service.stats import EventStats, TieringStats
 from kvhex.service.tier_driver import TierDriver
+
+if TYPE_CHECKING:
+    from kvhex.domain._hostslots import HitPath
 
 log = structlog.get_logger(__name__)
 
@@ -106,7 +110,8 @@ class TieringManager:
         self._scans = self._loading.open_scans  # read-only, live: tested per host hit
         self._declined = self._loading.host_declined  # read-only, live: tested per host hit
         self._host_hits = 0  # up to the last step end (this step's: _hits_this_step)
-        self._host_misses = 0
+        self._host_misses = 0  # (and those native hit paths answered: _hit_paths)
+        self._hit_paths: list[HitPath] = []
         self._requests: dict[ReqContext, _Request] = {}
         self._hits_this_step: set[OffloadKey] = set()
         self._remember_hit = self._hits_this_step.add
@@ -150,6 +155,43 @@ class TieringManager:
         self._host_misses += 1
         return self._lookup_tiers(key, ctx) if self._tiers else _MISS
 
+    def hit_path(
+        self,
+        fallback: Callable[[OffloadKey, Any], Any],
+        hit: object,
+        miss: object,
+        idle: Sequence[Sized] = (),
+    ) -> HitPath | None:
+        """A native callable ``path(key, engine_ctx)`` for an engine adapter's per-chunk
+        lookups, answering without a Python frame where :meth:`lookup` would answer ``HIT``
+        from host memory (``hit``, the key remembered and counted as :meth:`lookup` does) or,
+        with no secondary tier, ``MISS`` for a key host memory does not hold (``miss``,
+        counted as a host miss). Otherwise it returns ``fallback(key, engine_ctx)``, which
+        must call :meth:`lookup`. ``None`` where the native module was not built.
+
+        It answers only while every container of ``idle`` (the adapter's own reasons to see
+        a lookup) is empty, and so are this manager's open load scans and declined host hits
+        (their requests' lookups note or refuse host hits): a host hit's or miss's answer is
+        then the same for every request. And only after a lookup this step answered ``HIT``:
+        the set of this step's hits is not empty only between the step's first poll and its
+        end (reset and shutdown clear it too), so the path never skips a poll nor answers
+        after a shutdown."""
+        module, _ = native_module()
+        if module is None:
+            return None
+        index, refs = self._primary.read_view()
+        path: HitPath = module.HitPath(
+            fallback,
+            index,
+            refs,
+            self._hits_this_step,
+            (self._scans, self._declined, *idle),
+            hit,
+            None if self._tiers else miss,
+        )
+        self._hit_paths.append(path)  # (its misses are counted in stats)
+        return path
+
     def plan_ahead(
         self, runs: Sequence[Sequence[OffloadKey]], ctx: ReqContext, *, busy: bool = False
     ) -> None:
@@ -169,8 +211,11 @@ class TieringManager:
         the promotion failed. Known until the request is finalized or the engine reset."""
         return self._promotions.source(key, ctx)
 
-    def lookup_host(self, key: OffloadKey) -> LookupResult:
-        """``key`` in host memory alone (no tier asked, no promotion, nothing counted)."""
+    def lookup_host(self, key: OffloadKey, ctx: ReqContext | None = None) -> LookupResult:
+        """``key`` in host memory alone (no tier asked, no promotion, nothing counted);
+        ``ctx`` is not used (the signature is ``lookup``'s)."""
+        if self._closed:
+            raise refused("lookup")
         return self._primary.lookup(key)
 
     def host_keys(self) -> list[OffloadKey]:
@@ -326,6 +371,8 @@ class TieringManager:
             tier.driver.submit_probes()
 
     def _poll(self) -> None:
+        if self._closed:  # shutdown left _polled False: every polling call lands here
+            raise refused("lookup")
         self._polled = True
         for tier in self._tiers:
             for job, result in tier.driver.poll():
@@ -402,6 +449,9 @@ class TieringManager:
             names = ",".join(name for name, _ in failed)
             raise TierError(f"shutdown failed; host buffer kept: {detail}", tier=names)
         self._closed = True
+        self._polled = False  # the next lookup, store or step polls: and is refused
+        self._host_hits += len(self._hits_this_step)
+        self._hits_this_step.clear()  # (a native hit path answers only while it holds some)
         host: object = self._host  # any buffer may hold memory to give back: ask it
         self._host = None
         if isinstance(host, Closeable):
@@ -460,7 +510,7 @@ class TieringManager:
             tiers,
             len(self._requests),
             in_flight,
-            hits + self._host_misses,
+            hits + self._host_misses + sum(path.misses for path in self._hit_paths),
             hits,
             loading.snapshot(),
             loading.prefill.tokens_per_s,
@@ -471,3 +521,8 @@ class TieringManager:
 
 def _ema(admission: AdmissionPolicy) -> float | None:
     return admission.ema_s if isinstance(admission, EmaBackpressure) else None
+
+
+def refused(operation: str) -> StateError:
+    """The error of ``operation`` called after the engine was shut down."""
+    return StateError(operation, b"", "refused: the engine was shut down")

@@ -34,6 +34,7 @@ from __future__ import annotations
 from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from time import perf_counter
+from types import MethodType
 from typing import Any
 
 from vllm.distributed import kv_events as vev
@@ -114,13 +115,23 @@ class KvhexOffloadingManager(vbase.OffloadingManager):
             tier_names=[t.name for t in engine.stats().tiers],
             store_threshold=store_threshold,
         )
-        # the hot path's bound methods, and the context of the request vLLM asked about
-        # last (it asks about one request's chunks in a row): per lookup, an identity test
+        # the hot path's bound calls (the engine's lookup with promotions, or host memory
+        # alone while they are held), and the context of the request vLLM asked about last
+        # (it asks about one request's chunks in a row): per lookup, an identity test
         # instead of a state lookup
-        self._lookup = engine.lookup
+        self._lookup_any = engine.lookup_function()
+        self._lookup_host = engine.lookup_function(promote=False)
+        self._lookup = self._lookup_any
         self._lookup_delay = self._metrics.lookup_delay_recorder()
         self._last_vctx: vbase.ReqContext | None = None
         self._last_ctx: ReqContext = _NO_CONTEXT
+        # vLLM's lookup of a chunk readable in host memory (or, with no secondary tier, of
+        # one it does not hold) answered natively, with no Python frame, where the module
+        # was built; this class's lookup is its fallback for every other answer
+        self._python_lookup = MethodType(KvhexOffloadingManager.lookup, self)
+        self._hit_path = engine.hit_path(self._python_lookup, _VHIT, _VMISS, idle=(self._deferred,))
+        if self._hit_path is not None:
+            self.lookup = self._hit_path  # type: ignore[method-assign,assignment]
 
     # -- kvhex-side access ---------------------------------------------------------------
     @property
@@ -165,19 +176,40 @@ class KvhexOffloadingManager(vbase.OffloadingManager):
 
     # -- OffloadingManager ---------------------------------------------------------------
     def lookup(self, key: OffloadKey, req_context: vbase.ReqContext) -> vbase.LookupResult:
+        if req_context is self._last_vctx:  # the same request's next chunk: the hot path
+            result = self._lookup(key, self._last_ctx)
+            if result is _HIT and not self._deferred:
+                return _VHIT
+            return self._answer(key, req_context, result, None)
+        # a run of lookups for another request: its first resolved one is timed (the
+        # sync-delay samples)
         start = perf_counter()
-        ctx = self._last_ctx if req_context is self._last_vctx else self._ctx(req_context)
-        result = self._lookup(key, ctx, promote=not self._promotions_held)
+        result = self._lookup(key, self._ctx(req_context))  # (remembered: its next lookups)
+        return self._answer(key, req_context, result, start)
+
+    def _answer(
+        self,
+        key: OffloadKey,
+        req_context: vbase.ReqContext,
+        result: LookupResult,
+        start: float | None,
+    ) -> vbase.LookupResult:
+        """vLLM's answer for ``result``, with the lookup's metrics: its duration since
+        ``start`` when it was timed, the wait of a key whose lookups answered ``RETRY``."""
         if result is _HIT or result is _MISS:
             if self._deferred:  # some key's lookups answered RETRY before
                 deferred = self._deferred.get(req_context.req_id)
                 since = deferred.pop(key, None) if deferred else None
                 if since is not None:
                     self._metrics.on_lookup_wait(since)
-            self._lookup_delay(perf_counter() - start)
+            if start is not None:
+                self._lookup_delay(perf_counter() - start)
             return _VHIT if result is _HIT else _VMISS
         if result is _RETRY:
-            self._deferred.setdefault(req_context.req_id, {}).setdefault(key, start)
+            since = perf_counter() if start is None else start
+            self._deferred.setdefault(req_context.req_id, {}).setdefault(key, since)
+        if start is not None:  # not resolved: the run's next lookup is timed instead
+            self._last_vctx, self._last_ctx = None, _NO_CONTEXT
         return LOOKUP[result]
 
     def get_load_source(self, key: OffloadKey, req_context: vbase.ReqContext) -> Any:
@@ -189,21 +221,28 @@ class KvhexOffloadingManager(vbase.OffloadingManager):
         """vLLM's CPU and tiering metrics since the last call (see ``metrics.py``)."""
         return self._metrics.take()
 
+    # (each key collection as a list, inline: vLLM passes lists, and each job's keys as a set)
     def prepare_load(
         self, keys: Collection[OffloadKey], req_context: vbase.ReqContext
     ) -> CPULoadStoreSpec:
-        return CPULoadStoreSpec(self._engine.prepare_load(_seq(keys), self._ctx(req_context)))
+        ctx = self._last_ctx if req_context is self._last_vctx else self._ctx(req_context)
+        return CPULoadStoreSpec(
+            self._engine.prepare_load(keys if type(keys) is list else list(keys), ctx)
+        )
 
     def touch(self, keys: Collection[OffloadKey], req_context: vbase.ReqContext) -> None:
-        self._engine.touch(_seq(keys), self._ctx(req_context))
+        ctx = self._last_ctx if req_context is self._last_vctx else self._ctx(req_context)
+        self._engine.touch(keys if type(keys) is list else list(keys), ctx)
 
     def complete_load(self, keys: Collection[OffloadKey], req_context: vbase.ReqContext) -> None:
-        self._engine.complete_load(_seq(keys), self._ctx(req_context))
+        ctx = self._last_ctx if req_context is self._last_vctx else self._ctx(req_context)
+        self._engine.complete_load(keys if type(keys) is list else list(keys), ctx)
 
     def prepare_store(
         self, keys: Collection[OffloadKey], req_context: vbase.ReqContext
     ) -> vbase.PrepareStoreOutput | None:
-        plan = self._engine.prepare_store(_seq(keys), self._ctx(req_context))
+        ctx = self._last_ctx if req_context is self._last_vctx else self._ctx(req_context)
+        plan = self._engine.prepare_store(keys if type(keys) is list else list(keys), ctx)
         if plan is None:
             return None
         return vbase.PrepareStoreOutput(
@@ -218,7 +257,8 @@ class KvhexOffloadingManager(vbase.OffloadingManager):
         req_context: vbase.ReqContext,
         success: bool = True,
     ) -> None:
-        self._engine.complete_store(_seq(keys), self._ctx(req_context), success)
+        ctx = self._last_ctx if req_context is self._last_vctx else self._ctx(req_context)
+        self._engine.complete_store(keys if type(keys) is list else list(keys), ctx, success)
 
     def on_new_request(self, req_context: vbase.ReqContext) -> vbase.RequestOffloadingContext:
         ctx, _ = context_of(req_context)
@@ -232,17 +272,19 @@ class KvhexOffloadingManager(vbase.OffloadingManager):
         return policy_of(self._engine.on_new_request(ctx))
 
     def on_request_finished(self, req_context: vbase.ReqContext) -> None:
-        self._deferred.pop(req_context.req_id, None)
+        if self._deferred:
+            self._deferred.pop(req_context.req_id, None)
         self._engine.on_request_finished(self._ctx(req_context))
-        # not kept alive by being the last asked about (its jobs' contexts carry it on)
-        self._last_vctx, self._last_ctx = None, _NO_CONTEXT
+        if req_context is self._last_vctx:
+            # not kept alive by being the last asked about (its jobs' contexts carry it on)
+            self._last_vctx, self._last_ctx = None, _NO_CONTEXT
 
     def on_schedule_end(self, context: vbase.ScheduleEndContext) -> None:
         self._engine.on_schedule_end()
         self._metrics.on_step_end()
         if self._held_steps:
             self._held_steps -= 1
-            self._promotions_held = self._held_steps > 0
+            self._hold_promotions(self._held_steps > 0)
 
     def has_pending_work(self) -> bool:
         return self._engine.has_pending_work()
@@ -272,13 +314,13 @@ class KvhexOffloadingManager(vbase.OffloadingManager):
         # flush is still owed stays (vLLM 0.33 reports the flushes of both at once).
         device_busy = self._engine.reset()
         if device_busy and self._engine.has_secondary_tiers:
-            self._promotions_held = True
+            self._hold_promotions(True)
         if self._promotions_held and not SIGNALS_RESET_FLUSHED:
             self._held_steps = RESET_FLUSH_STEPS
 
     def on_reset_flushed(self) -> None:
         """vLLM 0.33: every job in flight at the last reset was reported."""
-        self._promotions_held = False
+        self._hold_promotions(False)
         self._held_steps = 0
 
     def shutdown(self) -> None:
@@ -290,9 +332,17 @@ class KvhexOffloadingManager(vbase.OffloadingManager):
             self._on_shutdown()
 
     # -- helpers -------------------------------------------------------------------------
+    def _hold_promotions(self, held: bool) -> None:
+        """Lookups answer from host memory alone (``held``) or from every tier."""
+        self._promotions_held = held
+        self._lookup = self._lookup_host if held else self._lookup_any
+        if self._hit_path is not None:  # host memory alone: no hit remembered nor counted
+            self.lookup = self._python_lookup if held else self._hit_path  # type: ignore[method-assign,assignment]
+
     def _ctx(self, vctx: vbase.ReqContext) -> ReqContext:
         """kvhex's context of ``vctx`` (created on first sight), remembered as the last
-        asked about."""
+        asked about (vLLM's calls for one request come in a row: touch, prepare_load,
+        prepare_store)."""
         if vctx is self._last_vctx:
             return self._last_ctx
         ctx: ReqContext | None = vctx.get_state(ReqContext)
@@ -300,8 +350,3 @@ class KvhexOffloadingManager(vbase.OffloadingManager):
             ctx, _ = context_of(vctx)
         self._last_vctx, self._last_ctx = vctx, ctx
         return ctx
-
-
-def _seq(keys: Collection[OffloadKey]) -> Sequence[OffloadKey]:
-    """``keys`` as a sequence (vLLM passes lists, and each job's keys as a set)."""
-    return keys if type(keys) is list else list(keys)

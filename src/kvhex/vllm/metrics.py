@@ -12,8 +12,10 @@ latencies) as they happen, at most ``MAX_SAMPLES`` per payload each.
 Labels as vLLM's tiering manager sets them: ``tier="0:primary"`` for host memory,
 ``"<i>:<name>"`` for the i-th secondary tier (1-based; vLLM writes the tier type, kvhex the
 tier's configured name, which defaults to its type). The lookup sync-delay histogram is
-observed under ``0:primary`` for each lookup that resolved (kvhex answers a chunk in one call,
-whichever tier holds it), the async-delay histogram likewise for each key whose lookups
+observed under ``0:primary`` for the first resolved lookup of each run of lookups of one
+request answered in Python (kvhex answers a chunk in one call, whichever tier holds it; host
+hits answered natively and the rest of a run are not timed: two clock reads would cost a
+quarter of a host hit's lookup), the async-delay histogram for each key whose lookups
 deferred (``RETRY``) before resolving; chunk queries and hits are counted per tier that
 answered.
 """

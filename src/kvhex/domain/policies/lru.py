@@ -59,7 +59,7 @@ class LruPolicy:
         for key in reversed(keys):
             try:  # noqa: SIM105 (per key: suppress() would cost more than the test it saves)
                 move(key)
-            except KeyError:  # not resident (any more): nothing to touch
+            except (KeyError, TypeError):  # not resident (any more), or no key: nothing to touch
                 pass
 
     def evict(self, n: int, protected: Container[OffloadKey]) -> list[OffloadKey] | None:
