@@ -145,9 +145,11 @@ def run(
     counts["ops"] = ops
 
 
-def kvhex_manager(num_slots: int, policy: str) -> PrimaryTier:
+def kvhex_manager(num_slots: int, policy: str, *, python: bool = False) -> PrimaryTier:
+    """kvhex's host tier; ``python``: its Python path even where the native module was
+    built (as where it was not; LRU runs natively by default, ARC always in Python)."""
     factory = {"lru": LruPolicy, "arc": ArcPolicy}[policy]
-    return PrimaryTier(num_slots, factory(num_slots))
+    return PrimaryTier(num_slots, factory(num_slots), native=False if python else None)
 
 
 def vllm_classes() -> tuple[Any, Any, Any] | None:
@@ -183,6 +185,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ops", type=int, default=1_000_000)
     parser.add_argument("--policy", choices=("lru", "arc"), default="lru")
+    parser.add_argument(
+        "--python",
+        action="store_true",
+        help="kvhex's Python path even where the native module was built",
+    )
     parser.add_argument("--slots", type=int, default=40_000)
     parser.add_argument("--prefixes", type=int, default=10_000)
     parser.add_argument("--index-chunks", type=int, default=1_000_000)
@@ -193,12 +200,17 @@ def main() -> None:
     trace = make_trace(args.ops // 8, args.prefixes, args.seed)
     overhead = timer_overhead()
     report.say(
-        f"trace: {len(trace)} requests, policy {args.policy}, {args.slots} slots; "
-        f"timer overhead {overhead} ns subtracted"
+        f"trace: {len(trace)} requests, policy {args.policy}, {args.slots} slots, kvhex's "
+        f"{'Python' if not kvhex_manager(1, args.policy, python=args.python).native else 'native'}"
+        f" path; timer overhead {overhead} ns subtracted"
     )
 
     managers: dict[str, tuple[Any, Callable[[str], Any], Any]] = {
-        "kvhex": (kvhex_manager(args.slots, args.policy), ReqContext, LookupResult.HIT),
+        "kvhex": (
+            kvhex_manager(args.slots, args.policy, python=args.python),
+            ReqContext,
+            LookupResult.HIT,
+        ),
     }
     vllm = vllm_classes()
     if vllm is None:
@@ -270,7 +282,9 @@ def main() -> None:
         m.take_events()  # the engine drains events every step
 
     n = args.index_chunks
-    ours = index_bytes_per_chunk(lambda c: kvhex_manager(c, args.policy), kvhex_store, n)
+    ours = index_bytes_per_chunk(
+        lambda c: kvhex_manager(c, args.policy, python=args.python), kvhex_store, n
+    )
     line = f"index memory at {n} resident chunks: kvhex {ours:.0f} B/chunk"
     theirs = None
     if vllm is not None:

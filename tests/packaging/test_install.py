@@ -134,6 +134,8 @@ def test_the_wheel_holds_types_the_native_source_and_the_entry_points(
     assert "kvhex/py.typed" in names
     assert "kvhex/adapters/storage/files/_slotio.c" in names
     assert "kvhex/adapters/storage/files/_slotio.pyi" in names
+    assert "kvhex/domain/_hostslots.c" in names
+    assert "kvhex/domain/_hostslots.pyi" in names
     for group in (
         "kvhex.tiers",
         "kvhex.transfers",
@@ -152,6 +154,7 @@ def test_the_wheel_holds_types_the_native_source_and_the_entry_points(
         "pyproject.toml",
         "hatch_build.py",
         "src/kvhex/adapters/storage/files/_slotio.c",
+        "src/kvhex/domain/_hostslots.c",
         "src/kvhex/py.typed",
     ):
         assert needed in members, needed
@@ -188,15 +191,19 @@ def test_the_main_job_runs_with_the_extras_the_readme_names(
     run = kvhex(bin_dir, *RUN, cwd=tmp_path)
     assert run.returncode == 0, run.stderr[-3000:]
     assert '"verdict": "intact"' in run.stdout
-    assert data_path(bin_dir, tmp_path) == "native"  # a compiler is here: the install built it
+    # a compiler is here: the install built both native modules
+    assert data_path(bin_dir, tmp_path) == "native native"
 
 
 def data_path(bin_dir: Path, cwd: Path) -> str:
-    """``native`` or ``python``: the file tier's data path in the installed kvhex (the last
-    line: a tier without the native path warns first)."""
+    """``native`` or ``python``, twice: the file tier's data path and the host tier's LRU
+    bookkeeping in the installed kvhex (the last line: a tier without the native path warns
+    first)."""
     probe = (
         "from kvhex.adapters.storage.files.posix import PosixSlotMover; "
-        "print('native' if PosixSlotMover().native else 'python')"
+        "from kvhex.domain import LruPolicy, PrimaryTier; "
+        "print('native' if PosixSlotMover().native else 'python', "
+        "'native' if PrimaryTier(1, LruPolicy(1)).native else 'python')"
     )
     done = subprocess.run(
         [str(bin_dir / "python"), "-c", probe], capture_output=True, text=True, check=True, cwd=cwd
@@ -208,5 +215,5 @@ def test_the_sdist_installs_without_a_compiler(built: tuple[Path, Path], tmp_pat
     _, sdist = built
     bin_dir = clean_venv(tmp_path / "no-compiler")
     pip(bin_dir, f"kvhex[files] @ {sdist.as_uri()}", env={"CC": "false"})
-    assert data_path(bin_dir, tmp_path) == "python"
+    assert data_path(bin_dir, tmp_path) == "python python"
     assert kvhex(bin_dir, "--version", cwd=tmp_path).returncode == 0
