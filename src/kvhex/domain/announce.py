@@ -367,6 +367,7 @@ class Announcer:
         event they come from, announced as it is where nothing changes)."""
         held = self._held.get(tier) if self._held else None
         solo = self._solo.get(tier)
+        mine: set[OffloadKey] | None
         if solo is not None and held is None:  # the common case: one residency, none held
             mine, public = solo
             holders = None
