@@ -200,16 +200,22 @@ static void undo_pins(Slots *self, Py_ssize_t *slots, Py_ssize_t done, long delt
     PyErr_Restore(type, value, trace);
 }
 
-/* pin(keys, times) -> (slots, newly_pinned) | position of a key that is absent, pending or
- * unhashable (nothing pinned). */
-static PyObject *Slots_pin(Slots *self, PyObject *args) {
+/* repin(keys, delta) -> (slots, crossed): each key's ref count moved by delta (pins taken
+ * when > 0, released when < 0), and how many counts crossed zero (newly pinned, or freed) |
+ * position of the first key that is absent, unhashable, pending or has fewer than -delta
+ * pins (nothing changed). A key listed twice moves twice. */
+static PyObject *Slots_repin(Slots *self, PyObject *args) {
     PyObject *seq;
-    long times;
-    if (!PyArg_ParseTuple(args, "Ol", &seq, &times)) return NULL;
+    long delta;
+    if (!PyArg_ParseTuple(args, "Ol", &seq, &delta)) return NULL;
+    if (delta == 0) {
+        PyErr_SetString(PyExc_ValueError, "delta must not be 0");
+        return NULL;
+    }
     if (check_shared(self) < 0) return NULL;
     PyObject *keys = PySequence_Tuple(seq);
     if (keys == NULL) return NULL;
-    Py_ssize_t n = PyTuple_GET_SIZE(keys), newly = 0, i;
+    Py_ssize_t n = PyTuple_GET_SIZE(keys), crossed = 0, i;
     Py_ssize_t *slots = PyMem_Malloc((n ? (size_t)n : 1) * sizeof(Py_ssize_t));
     PyObject *out = NULL;
     if (slots == NULL) {
@@ -219,64 +225,25 @@ static PyObject *Slots_pin(Slots *self, PyObject *args) {
     for (i = 0; i < n; i++) {
         Py_ssize_t s = slot_of(self, PyTuple_GET_ITEM(keys, i));
         long count = s >= 0 ? ref_of(self, s) : -1;
-        if (s < 0 || count < 0) {
+        if (s < 0 || count < 0 || count + delta < 0) {
             if (s == -2 && !PyErr_ExceptionMatches(PyExc_TypeError)) {
-                undo_pins(self, slots, i, -times);
+                undo_pins(self, slots, i, -delta);
                 goto done;
             }
-            PyErr_Clear();
-            undo_pins(self, slots, i, -times);
+            PyErr_Clear(); /* unhashable: the caller names it */
+            undo_pins(self, slots, i, -delta);
             out = PyLong_FromSsize_t(i);
             goto done;
         }
-        if (count == 0) newly++;
-        if (set_ref(self, s, count + times) < 0) {
-            undo_pins(self, slots, i, -times);
+        if ((count == 0) != (count + delta == 0)) crossed++;
+        if (set_ref(self, s, count + delta) < 0) {
+            undo_pins(self, slots, i, -delta);
             goto done;
         }
         slots[i] = s;
     }
     PyObject *list = slot_list(slots, n);
-    if (list != NULL) out = Py_BuildValue("(Nn)", list, newly);
-done:
-    PyMem_Free(slots);
-    Py_DECREF(keys);
-    return out;
-}
-
-/* unpin(keys) -> keys freed (at zero pins now) | -(position + 1) of a key absent or not
- * pinned (nothing unpinned); an unhashable key raises TypeError (nothing unpinned). */
-static PyObject *Slots_unpin(Slots *self, PyObject *seq) {
-    if (check_shared(self) < 0) return NULL;
-    PyObject *keys = PySequence_Tuple(seq);
-    if (keys == NULL) return NULL;
-    Py_ssize_t n = PyTuple_GET_SIZE(keys), freed = 0, i;
-    Py_ssize_t *slots = PyMem_Malloc((n ? (size_t)n : 1) * sizeof(Py_ssize_t));
-    PyObject *out = NULL;
-    if (slots == NULL) {
-        PyErr_NoMemory();
-        goto done;
-    }
-    for (i = 0; i < n; i++) {
-        Py_ssize_t s = slot_of(self, PyTuple_GET_ITEM(keys, i));
-        if (s == -2) {
-            undo_pins(self, slots, i, 1);
-            goto done;
-        }
-        long count = s >= 0 ? ref_of(self, s) : 0;
-        if (count <= 0) {
-            undo_pins(self, slots, i, 1);
-            out = PyLong_FromSsize_t(-(i + 1));
-            goto done;
-        }
-        if (count == 1) freed++;
-        if (set_ref(self, s, count - 1) < 0) {
-            undo_pins(self, slots, i, 1);
-            goto done;
-        }
-        slots[i] = s;
-    }
-    out = PyLong_FromSsize_t(freed);
+    if (list != NULL) out = Py_BuildValue("(Nn)", list, crossed);
 done:
     PyMem_Free(slots);
     Py_DECREF(keys);
@@ -621,8 +588,7 @@ static PyObject *Slots_free_count(Slots *self, void *Py_UNUSED(closure)) {
 static Py_ssize_t Slots_len(Slots *self) { return self->resident; }
 
 static PyMethodDef Slots_methods[] = {
-    {"pin", (PyCFunction)Slots_pin, METH_VARARGS, NULL},
-    {"unpin", (PyCFunction)Slots_unpin, METH_O, NULL},
+    {"repin", (PyCFunction)Slots_repin, METH_VARARGS, NULL},
     {"touch", (PyCFunction)Slots_touch, METH_O, NULL},
     {"candidates", (PyCFunction)Slots_candidates, METH_VARARGS, NULL},
     {"evict", (PyCFunction)Slots_evict, METH_VARARGS, NULL},

@@ -297,7 +297,10 @@ class PrimaryTier:
 
         Raises:
             StateError: a key is absent or its write is still pending (nothing is pinned).
+            ValueError: ``times`` is below 1.
         """
+        if times < 1:
+            raise ValueError(f"times must be at least 1, got {times}")
         return self._pin(keys, "pin", times)
 
     def unpin(self, keys: Sequence[OffloadKey]) -> None:
@@ -311,7 +314,7 @@ class PrimaryTier:
     def _pin(self, keys: Sequence[OffloadKey], operation: str, times: int = 1) -> list[int]:
         # one pass, pinning as it goes; a key that cannot be pinned undoes the pass
         if self._native is not None:
-            pinned = self._native.pin(keys, times)
+            pinned = self._native.repin(keys, times)
             if isinstance(pinned, int):
                 raise self._pin_error(keys[pinned], operation)
             slots, newly = pinned
@@ -353,12 +356,12 @@ class PrimaryTier:
     def _unpin(self, keys: Sequence[OffloadKey], operation: str) -> None:
         # one pass, unpinning as it goes; a key that is not pinned undoes the pass
         if self._native is not None:
-            freed_count = self._native.unpin(keys)
-            if freed_count < 0:
-                key = keys[-freed_count - 1]
+            unpinned = self._native.repin(keys, -1)
+            if isinstance(unpinned, int):
+                key = keys[unpinned]  # (an unhashable one raises TypeError here, as below)
                 state = "not stored" if key not in self._index else "not pinned"
                 raise StateError(operation, key, state)
-            self._evictable += freed_count
+            self._evictable += unpinned[1]
             return
         index, refs = self._index, self._refs
         slots: list[int] = []
