@@ -197,3 +197,26 @@ def test_long_offers_with_keys_listed_twice_take_both_paths_alike(threshold: int
             tier.complete_store(offer)
         assert tiers[0].take_events() == tiers[1].take_events()
         assert tiers[0].stats() == tiers[1].stats()
+
+
+@needs_native
+def test_native_objects_never_initialized_refuse_instead_of_crashing() -> None:
+    assert NATIVE is not None
+    slots = NATIVE.LruSlots.__new__(NATIVE.LruSlots)
+    calls = (
+        lambda: slots.repin([], 1),
+        lambda: slots.touch([]),
+        lambda: slots.candidates([], 36),
+        lambda: slots.evict(1, ()),
+        lambda: slots.insert([], 0),
+        lambda: slots.store([], 36, 0, (), 0),
+        lambda: slots.complete([], 0),
+        lambda: slots.fail([]),
+        lambda: slots.order(),
+    )
+    for call in calls:
+        with pytest.raises(RuntimeError, match="not initialized"):
+            call()
+    path = NATIVE.HitPath.__new__(NATIVE.HitPath)
+    with pytest.raises(RuntimeError, match="not initialized"):
+        path(key(1), None)

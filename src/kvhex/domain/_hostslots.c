@@ -57,7 +57,13 @@ typedef struct {
 
 /* -- helpers ------------------------------------------------------------------------------ */
 
+/* 0, or -1 with an exception: the object was never initialized, or the ref-count list it
+ * shares no longer has one entry per slot. Every method that reads the tables checks. */
 static int check_shared(Slots *self) {
+    if (self->keys == NULL || self->refs == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "LruSlots is not initialized");
+        return -1;
+    }
     if (!PyList_CheckExact(self->refs) || PyList_GET_SIZE(self->refs) != self->n) {
         PyErr_SetString(PyExc_RuntimeError, "the ref-count list was resized or replaced");
         return -1;
@@ -192,12 +198,20 @@ static int Slots_init(Slots *self, PyObject *args, PyObject *kwds) {
 /* -- loads and pins ----------------------------------------------------------------------- */
 
 static void undo_pins(Slots *self, Py_ssize_t *slots, Py_ssize_t done, long delta) {
+#if PY_VERSION_HEX >= 0x030C0000
+    PyObject *raised = PyErr_GetRaisedException();
+#else
     PyObject *type, *value, *trace;
     PyErr_Fetch(&type, &value, &trace);
+#endif
     for (Py_ssize_t i = 0; i < done; i++) {
         if (set_ref(self, slots[i], ref_of(self, slots[i]) + delta) < 0) PyErr_Clear();
     }
+#if PY_VERSION_HEX >= 0x030C0000
+    PyErr_SetRaisedException(raised);
+#else
     PyErr_Restore(type, value, trace);
+#endif
 }
 
 /* repin(keys, delta) -> (slots, crossed): each key's ref count moved by delta (pins taken
@@ -253,6 +267,7 @@ done:
 /* touch(keys): the resident ones most recent, the first key last (so it ends most recent);
  * keys not resident, unhashable ones included, are ignored. */
 static PyObject *Slots_touch(Slots *self, PyObject *seq) {
+    if (check_shared(self) < 0) return NULL;
     PyObject *keys = PySequence_Tuple(seq);
     if (keys == NULL) return NULL;
     for (Py_ssize_t i = PyTuple_GET_SIZE(keys) - 1; i >= 0; i--) {
@@ -392,6 +407,7 @@ static PyObject *Slots_candidates(Slots *self, PyObject *args) {
     PyObject *seq;
     Py_ssize_t length, bad = -1;
     if (!PyArg_ParseTuple(args, "On", &seq, &length)) return NULL;
+    if (check_shared(self) < 0) return NULL;
     PyObject *keys = PySequence_Tuple(seq);
     if (keys == NULL) return NULL;
     PyObject *out = find_candidates(self, keys, length, &bad);
@@ -570,6 +586,7 @@ static PyObject *Slots_reset(Slots *self, PyObject *Py_UNUSED(ignored)) {
 
 /* order() -> the resident keys, oldest first (for tests and operators). */
 static PyObject *Slots_order(Slots *self, PyObject *Py_UNUSED(ignored)) {
+    if (check_shared(self) < 0) return NULL;
     PyObject *out = PyList_New(0);
     if (out == NULL) return NULL;
     for (Py_ssize_t s = self->head; s != NONE; s = self->next[s]) {
@@ -647,6 +664,10 @@ typedef struct {
 static PyObject *HitPath_vectorcall(HitPath *self, PyObject *const *args, size_t nargsf,
                                     PyObject *kwnames) {
     Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
+    if (self->fallback == NULL) { /* cleared by the garbage collector */
+        PyErr_SetString(PyExc_RuntimeError, "HitPath is not initialized");
+        return NULL;
+    }
     if (nargs == 2 && kwnames == NULL && PySet_GET_SIZE(self->hits)) {
         int idle = 1;
         for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(self->idle); i++) {
