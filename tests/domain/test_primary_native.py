@@ -212,7 +212,7 @@ def test_native_objects_never_initialized_refuse_instead_of_crashing() -> None:
         lambda: slots.store([], 36, 0, (), 0),
         lambda: slots.complete([], 0),
         lambda: slots.fail([]),
-        lambda: slots.order(),
+        slots.order,
     )
     for call in calls:
         with pytest.raises(RuntimeError, match="not initialized"):
