@@ -78,7 +78,8 @@ class TwoPaths(RuleBasedStateMachine):
     def complete_store(self, ids: list[int], extra: list[int], success: bool, pin: int) -> None:
         pending = [k for k in keys(*range(13)) if self.python.ref_count(k) == -1]
         chosen = [k for i, k in enumerate(pending) if i in ids] + keys(*extra)
-        self.both(lambda t: t.complete_store(set(chosen), self.ctx, success, pin=pin))
+        jobs_keys = list(set(chosen))  # in a set's order, as vLLM reports a job's keys
+        self.both(lambda t: t.complete_store(jobs_keys, self.ctx, success, pin=pin))
 
     @rule(ids=IDS, times=st.integers(1, 3))
     def pin(self, ids: list[int], times: int) -> None:

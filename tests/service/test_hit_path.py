@@ -32,8 +32,9 @@ class PathAndLookup(RuleBasedStateMachine):
         self.plain = World(num_slots=6, tiers=self.tiers)
         self.idle: list[int] = []  # the adapter's own reason to see lookups, when not empty
         self.fallbacks = 0
-        self.path = self.pathed.manager.hit_path(self.fallback, HIT, MISS, idle=(self.idle,))
-        assert self.path is not None
+        path = self.pathed.manager.hit_path(self.fallback, HIT, MISS, idle=(self.idle,))
+        assert path is not None
+        self.path = path
         self.ctxs = [ReqContext(f"r{i}") for i in range(3)]
 
     def fallback(self, k: Any, ctx: ReqContext) -> Any:
@@ -60,7 +61,7 @@ class PathAndLookup(RuleBasedStateMachine):
 
     @rule(i=st.integers(0, 11), r=st.integers(0, 2))
     def lookup(self, i: int, r: int) -> None:
-        ours = self.path(key(i), self.ctxs[r])  # type: ignore[misc]
+        ours = self.path(key(i), self.ctxs[r])
         theirs = _as_adapter(self.plain.manager.lookup(key(i), self.ctxs[r]))
         assert ours == theirs
 
@@ -149,7 +150,7 @@ def test_a_bad_key_gets_the_lookups_own_error_and_a_shut_manager_refuses() -> No
     world.store([1], ctx)
     assert path(key(1), ctx) == HIT
     with pytest.raises(InvalidKeyError):
-        path([1], ctx)  # type: ignore[arg-type]
+        path([1], ctx)
     world.manager.shutdown()
     with pytest.raises(StateError, match="shut down"):
         path(key(1), ctx)
