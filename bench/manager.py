@@ -163,6 +163,9 @@ def vllm_sides(slots: int) -> list[Side] | None:
                         mock.patch(f"{where}.native_module", return_value=(None, "off"))
                     )
             ours = KvhexOffloadingSpec(offloading_config(slots, events=True)).get_manager()
+        # the side measures what it says (a patch that missed fails here): natively, vLLM's
+        # lookup is the native hit path
+        assert (type(ours.lookup).__name__ == "HitPath") is native, name
         sides.append(Side(name, ours, "vllm", kv_events))
     return sides
 

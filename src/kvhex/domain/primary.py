@@ -186,9 +186,6 @@ class PrimaryTier:
         self._record_events = record_events
         self._index: dict[OffloadKey, int] = {}
         self._refs: list[int] = [0] * num_slots
-        # per slot: when its pending write was prepared, so a completion the engine reports
-        # in another order (vLLM passes a set) announces the keys in the order offered
-        self._offered: list[int] = [0] * num_slots
         self._events: list[TierEvent] = []
         self._pending = 0
         self._evictable = 0
@@ -209,6 +206,10 @@ class PrimaryTier:
                 raise ValueError(f"native=True, but {why}")
             if module is not None and not why:
                 self._native = module.LruSlots(num_slots, self._index, self._refs)
+        # per slot: when its pending write was prepared, so a completion the engine reports
+        # in another order (vLLM passes a set) announces the keys in the order offered (the
+        # native path keeps its own)
+        self._offered: list[int] = [] if self._native is not None else [0] * num_slots
 
     # -- queries -------------------------------------------------------------------------
     @property
