@@ -38,18 +38,26 @@
 #define NONE (-1)
 #define SCAN_MAX 16 /* candidates compared one by one before a set is built */
 
+/* What this object keeps of one slot, together: a slot's work reads one cache line. */
+typedef struct {
+    Py_ssize_t prev;    /* recency links; NONE ends the list */
+    Py_ssize_t next;
+    PyObject *key;      /* a strong reference, or NULL when the slot is free */
+    long long offered;  /* the offer sequence number of its pending write */
+} SlotEntry;
+
 typedef struct {
     PyObject_HEAD
     Py_ssize_t n;      /* slots */
     PyObject *index;   /* dict: key -> slot (shared with PrimaryTier) */
     PyObject *refs;    /* list: slot -> ref count (shared with PrimaryTier) */
-    PyObject **keys;   /* slot -> its key (a strong reference) or NULL when free */
-    Py_ssize_t *prev;  /* recency links; NONE ends the list */
-    Py_ssize_t *next;
+    SlotEntry *slot;   /* per slot */
+    PyObject **ints;   /* slot -> its number as an int object, made once: the index's values
+                        * and the slot lists returned share them (no allocation per key, and
+                        * the values a lookup reads lie together) */
     Py_ssize_t head;   /* oldest resident slot */
     Py_ssize_t tail;   /* most recent */
     Py_ssize_t resident;
-    long long *offered; /* slot -> offer sequence number of its pending write */
     Py_ssize_t *free;  /* freed slots, the last freed on top */
     Py_ssize_t free_top;
     Py_ssize_t next_fresh;
@@ -60,7 +68,7 @@ typedef struct {
 /* 0, or -1 with an exception: the object was never initialized, or the ref-count list it
  * shares no longer has one entry per slot. Every method that reads the tables checks. */
 static int check_shared(Slots *self) {
-    if (self->keys == NULL || self->refs == NULL) {
+    if (self->slot == NULL || self->refs == NULL) {
         PyErr_SetString(PyExc_RuntimeError, "LruSlots is not initialized");
         return -1;
     }
@@ -98,50 +106,69 @@ static Py_ssize_t slot_of(Slots *self, PyObject *key) {
 }
 
 static void unlink_slot(Slots *self, Py_ssize_t s) {
-    Py_ssize_t p = self->prev[s], q = self->next[s];
-    if (p == NONE) self->head = q; else self->next[p] = q;
-    if (q == NONE) self->tail = p; else self->prev[q] = p;
-    self->prev[s] = self->next[s] = NONE;
+    Py_ssize_t p = self->slot[s].prev, q = self->slot[s].next;
+    if (p == NONE) self->head = q; else self->slot[p].next = q;
+    if (q == NONE) self->tail = p; else self->slot[q].prev = p;
+    self->slot[s].prev = self->slot[s].next = NONE;
 }
 
 static void link_tail(Slots *self, Py_ssize_t s) {
-    self->prev[s] = self->tail;
-    self->next[s] = NONE;
-    if (self->tail == NONE) self->head = s; else self->next[self->tail] = s;
+    self->slot[s].prev = self->tail;
+    self->slot[s].next = NONE;
+    if (self->tail == NONE) self->head = s; else self->slot[self->tail].next = s;
     self->tail = s;
 }
 
 /* Forget the key of resident slot `s` (index entry, links, key) and free the slot. */
 static int drop_slot(Slots *self, Py_ssize_t s) {
-    PyObject *key = self->keys[s];
+    PyObject *key = self->slot[s].key;
     if (PyDict_DelItem(self->index, key) < 0) return -1;
     unlink_slot(self, s);
-    self->keys[s] = NULL;
+    self->slot[s].key = NULL;
     Py_DECREF(key);
     self->free[self->free_top++] = s;
     self->resident--;
     return 0;
 }
 
-static PyObject *slot_list(Py_ssize_t *slots, Py_ssize_t n) {
+static PyObject *slot_list(Slots *self, Py_ssize_t *slots, Py_ssize_t n) {
     PyObject *out = PyList_New(n);
     if (out == NULL) return NULL;
-    for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *v = PyLong_FromSsize_t(slots[i]);
-        if (v == NULL) {
-            Py_DECREF(out);
-            return NULL;
-        }
-        PyList_SET_ITEM(out, i, v);
-    }
+    for (Py_ssize_t i = 0; i < n; i++) PyList_SET_ITEM(out, i, Py_NewRef(self->ints[slots[i]]));
     return out;
+}
+
+/* The keys of `seq` to iterate (PySequence_Fast_GET_ITEM): a tuple as it is, a list as it is
+ * when every key is exact bytes (looking those up runs no Python code, so nothing can change
+ * the list meanwhile), anything else copied into a tuple. A new reference, or NULL. */
+static PyObject *key_items(PyObject *seq) {
+    if (PyTuple_CheckExact(seq)) return Py_NewRef(seq);
+    if (PyList_CheckExact(seq)) {
+        for (Py_ssize_t i = 0; i < PyList_GET_SIZE(seq); i++) {
+            if (!PyBytes_CheckExact(PyList_GET_ITEM(seq, i))) return PySequence_Tuple(seq);
+        }
+        return Py_NewRef(seq);
+    }
+    return PySequence_Tuple(seq);
+}
+
+/* 0 when a method called with positional arguments only got `want` of them; else -1 with a
+ * TypeError naming it. */
+static int check_nargs(const char *name, Py_ssize_t nargs, Py_ssize_t want) {
+    if (nargs == want) return 0;
+    PyErr_Format(PyExc_TypeError, "%s() takes exactly %zd arguments (%zd given)", name, want,
+                 nargs);
+    return -1;
 }
 
 /* -- lifecycle ---------------------------------------------------------------------------- */
 
 static void Slots_release(Slots *self) {
-    if (self->keys != NULL) {
-        for (Py_ssize_t s = 0; s < self->n; s++) Py_CLEAR(self->keys[s]);
+    if (self->slot != NULL) {
+        for (Py_ssize_t s = 0; s < self->n; s++) {
+            Py_CLEAR(self->slot[s].key);
+            self->slot[s].prev = self->slot[s].next = NONE;
+        }
     }
     self->head = self->tail = NONE;
     self->resident = 0;
@@ -151,10 +178,11 @@ static void Slots_release(Slots *self) {
 
 static void Slots_dealloc(Slots *self) {
     Slots_release(self);
-    PyMem_Free(self->keys);
-    PyMem_Free(self->prev);
-    PyMem_Free(self->next);
-    PyMem_Free(self->offered);
+    if (self->ints != NULL) {
+        for (Py_ssize_t s = 0; s < self->n; s++) Py_XDECREF(self->ints[s]);
+    }
+    PyMem_Free(self->slot);
+    PyMem_Free(self->ints);
     PyMem_Free(self->free);
     Py_XDECREF(self->index);
     Py_XDECREF(self->refs);
@@ -168,7 +196,7 @@ static int Slots_init(Slots *self, PyObject *args, PyObject *kwds) {
     if (!PyArg_ParseTupleAndKeywords(args, kwds, "nO!O!", names, &n, &PyDict_Type, &index,
                                      &PyList_Type, &refs))
         return -1;
-    if (self->keys != NULL) {
+    if (self->slot != NULL) {
         PyErr_SetString(PyExc_RuntimeError, "LruSlots is initialized once");
         return -1;
     }
@@ -177,15 +205,28 @@ static int Slots_init(Slots *self, PyObject *args, PyObject *kwds) {
         return -1;
     }
     size_t m = n ? (size_t)n : 1;
-    self->keys = PyMem_Calloc(m, sizeof(PyObject *));
-    self->prev = PyMem_Calloc(m, sizeof(Py_ssize_t));
-    self->next = PyMem_Calloc(m, sizeof(Py_ssize_t));
-    self->offered = PyMem_Calloc(m, sizeof(long long));
-    self->free = PyMem_Calloc(m, sizeof(Py_ssize_t));
-    if (!self->keys || !self->prev || !self->next || !self->offered || !self->free) {
+    SlotEntry *slot = PyMem_Calloc(m, sizeof(SlotEntry));
+    PyObject **ints = PyMem_Calloc(m, sizeof(PyObject *));
+    Py_ssize_t *free_slots = PyMem_Calloc(m, sizeof(Py_ssize_t));
+    if (!slot || !ints || !free_slots) {
+        PyMem_Free(slot);
+        PyMem_Free(ints);
+        PyMem_Free(free_slots);
         PyErr_NoMemory();
         return -1;
     }
+    for (Py_ssize_t s = 0; s < n; s++) {
+        if ((ints[s] = PyLong_FromSsize_t(s)) == NULL) {
+            while (s > 0) Py_DECREF(ints[--s]);
+            PyMem_Free(slot);
+            PyMem_Free(ints);
+            PyMem_Free(free_slots);
+            return -1;
+        }
+    }
+    self->slot = slot;
+    self->ints = ints;
+    self->free = free_slots;
     self->n = n;
     Py_INCREF(index);
     self->index = index;
@@ -218,18 +259,18 @@ static void undo_pins(Slots *self, Py_ssize_t *slots, Py_ssize_t done, long delt
  * when > 0, released when < 0), and how many counts crossed zero (newly pinned, or freed) |
  * position of the first key that is absent, unhashable, pending or has fewer than -delta
  * pins (nothing changed). A key listed twice moves twice. */
-static PyObject *Slots_repin(Slots *self, PyObject *args) {
-    PyObject *seq;
-    long delta;
-    if (!PyArg_ParseTuple(args, "Ol", &seq, &delta)) return NULL;
+static PyObject *Slots_repin(Slots *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (check_nargs("repin", nargs, 2) < 0) return NULL;
+    long delta = PyLong_AsLong(args[1]);
+    if (delta == -1 && PyErr_Occurred()) return NULL;
     if (delta == 0) {
         PyErr_SetString(PyExc_ValueError, "delta must not be 0");
         return NULL;
     }
     if (check_shared(self) < 0) return NULL;
-    PyObject *keys = PySequence_Tuple(seq);
+    PyObject *keys = key_items(args[0]);
     if (keys == NULL) return NULL;
-    Py_ssize_t n = PyTuple_GET_SIZE(keys), crossed = 0, i;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(keys), crossed = 0, i;
     Py_ssize_t *slots = PyMem_Malloc((n ? (size_t)n : 1) * sizeof(Py_ssize_t));
     PyObject *out = NULL;
     if (slots == NULL) {
@@ -237,7 +278,7 @@ static PyObject *Slots_repin(Slots *self, PyObject *args) {
         goto done;
     }
     for (i = 0; i < n; i++) {
-        Py_ssize_t s = slot_of(self, PyTuple_GET_ITEM(keys, i));
+        Py_ssize_t s = slot_of(self, PySequence_Fast_GET_ITEM(keys, i));
         long count = s >= 0 ? ref_of(self, s) : -1;
         if (s < 0 || count < 0 || count + delta < 0) {
             if (s == -2 && !PyErr_ExceptionMatches(PyExc_TypeError)) {
@@ -256,8 +297,13 @@ static PyObject *Slots_repin(Slots *self, PyObject *args) {
         }
         slots[i] = s;
     }
-    PyObject *list = slot_list(slots, n);
-    if (list != NULL) out = Py_BuildValue("(Nn)", list, crossed);
+    PyObject *list = slot_list(self, slots, n);
+    if (list != NULL) {
+        PyObject *count = PyLong_FromSsize_t(crossed);
+        if (count != NULL) out = PyTuple_Pack(2, list, count);
+        Py_XDECREF(count);
+        Py_DECREF(list);
+    }
 done:
     PyMem_Free(slots);
     Py_DECREF(keys);
@@ -268,10 +314,10 @@ done:
  * keys not resident, unhashable ones included, are ignored. */
 static PyObject *Slots_touch(Slots *self, PyObject *seq) {
     if (check_shared(self) < 0) return NULL;
-    PyObject *keys = PySequence_Tuple(seq);
+    PyObject *keys = key_items(seq);
     if (keys == NULL) return NULL;
-    for (Py_ssize_t i = PyTuple_GET_SIZE(keys) - 1; i >= 0; i--) {
-        Py_ssize_t s = slot_of(self, PyTuple_GET_ITEM(keys, i));
+    for (Py_ssize_t i = PySequence_Fast_GET_SIZE(keys) - 1; i >= 0; i--) {
+        Py_ssize_t s = slot_of(self, PySequence_Fast_GET_ITEM(keys, i));
         if (s == -2) {
             if (!PyErr_ExceptionMatches(PyExc_TypeError)) {
                 Py_DECREF(keys);
@@ -345,9 +391,9 @@ static PyObject *evict_oldest(Slots *self, Py_ssize_t want, PyObject *protected)
     Py_ssize_t *chosen = PyMem_Malloc((size_t)want * sizeof(Py_ssize_t)), found = 0;
     if (chosen == NULL) return PyErr_NoMemory();
     PyObject *victims = NULL;
-    for (Py_ssize_t s = self->head; s != NONE && found < want; s = self->next[s]) {
+    for (Py_ssize_t s = self->head; s != NONE && found < want; s = self->slot[s].next) {
         if (ref_of(self, s) != 0) continue;
-        int kept = PySequence_Contains(protected, self->keys[s]);
+        int kept = PySequence_Contains(protected, self->slot[s].key);
         if (kept < 0) goto done;
         if (!kept) chosen[found++] = s;
     }
@@ -358,7 +404,7 @@ static PyObject *evict_oldest(Slots *self, Py_ssize_t want, PyObject *protected)
     victims = PyList_New(want);
     if (victims == NULL) goto done;
     for (Py_ssize_t i = 0; i < want; i++) {
-        PyList_SET_ITEM(victims, i, Py_NewRef(self->keys[chosen[i]]));
+        PyList_SET_ITEM(victims, i, Py_NewRef(self->slot[chosen[i]].key));
         if (drop_slot(self, chosen[i]) < 0) {
             Py_CLEAR(victims);
             goto done;
@@ -383,18 +429,17 @@ static PyObject *place_keys(Slots *self, PyObject *keys, long long number) {
     for (Py_ssize_t i = 0; i < n; i++) {
         PyObject *key = PySequence_Fast_GET_ITEM(keys, i);
         Py_ssize_t s = self->next_fresh < self->n ? self->next_fresh++ : self->free[--self->free_top];
-        PyObject *v = PyLong_FromSsize_t(s);
-        if (v == NULL || PyDict_SetItem(self->index, key, v) < 0 || set_ref(self, s, -1) < 0) {
+        PyObject *v = self->ints[s];
+        if (PyDict_SetItem(self->index, key, v) < 0 || set_ref(self, s, -1) < 0) {
             /* the slot is back on the free list; earlier keys stay (an out-of-memory state) */
-            Py_XDECREF(v);
             self->free[self->free_top++] = s;
             Py_DECREF(out);
             return NULL;
         }
-        PyList_SET_ITEM(out, i, v);
+        PyList_SET_ITEM(out, i, Py_NewRef(v));
         Py_INCREF(key);
-        self->keys[s] = key;
-        self->offered[s] = number + i;
+        self->slot[s].key = key;
+        self->slot[s].offered = number + i;
         link_tail(self, s);
         self->resident++;
     }
@@ -445,14 +490,17 @@ static PyObject *Slots_insert(Slots *self, PyObject *args) {
  * None) when even eviction cannot make room (`evictable`: the keys that may be evicted;
  * nothing changed) | position of the first key that is not bytes of key_length (nothing
  * changed). */
-static PyObject *Slots_store(Slots *self, PyObject *args) {
-    PyObject *seq, *protect;
-    Py_ssize_t length, evictable, bad = -1;
-    long long number;
-    if (!PyArg_ParseTuple(args, "OnnOL", &seq, &length, &evictable, &protect, &number))
-        return NULL;
+static PyObject *Slots_store(Slots *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (check_nargs("store", nargs, 5) < 0) return NULL;
+    PyObject *protect = args[3];
+    Py_ssize_t length = PyLong_AsSsize_t(args[1]), bad = -1;
+    if (length == -1 && PyErr_Occurred()) return NULL;
+    Py_ssize_t evictable = PyLong_AsSsize_t(args[2]);
+    if (evictable == -1 && PyErr_Occurred()) return NULL;
+    long long number = PyLong_AsLongLong(args[4]);
+    if (number == -1 && PyErr_Occurred()) return NULL;
     if (check_shared(self) < 0) return NULL;
-    PyObject *keys = PySequence_Tuple(seq);
+    PyObject *keys = PySequence_Tuple(args[0]);
     if (keys == NULL) return NULL;
     PyObject *out = NULL, *slots = NULL, *victims = NULL, *protected = NULL;
     PyObject *candidates = find_candidates(self, keys, length, &bad);
@@ -518,14 +566,14 @@ static int by_offer(const void *a, const void *b) {
 
 /* complete(keys, pin) -> the listed keys whose write was pending, each now at `pin` pins,
  * in the order they were offered. */
-static PyObject *Slots_complete(Slots *self, PyObject *args) {
-    PyObject *seq;
-    long pin;
-    if (!PyArg_ParseTuple(args, "Ol", &seq, &pin)) return NULL;
+static PyObject *Slots_complete(Slots *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (check_nargs("complete", nargs, 2) < 0) return NULL;
+    long pin = PyLong_AsLong(args[1]);
+    if (pin == -1 && PyErr_Occurred()) return NULL;
     if (check_shared(self) < 0) return NULL;
-    PyObject *keys = PySequence_Tuple(seq);
+    PyObject *keys = key_items(args[0]);
     if (keys == NULL) return NULL;
-    Py_ssize_t n = PyTuple_GET_SIZE(keys), m = 0;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(keys), m = 0;
     ordered_key *done = PyMem_Malloc((n ? (size_t)n : 1) * sizeof(ordered_key));
     PyObject *out = NULL;
     if (done == NULL) {
@@ -533,12 +581,12 @@ static PyObject *Slots_complete(Slots *self, PyObject *args) {
         goto finish;
     }
     for (Py_ssize_t i = 0; i < n; i++) {
-        Py_ssize_t s = slot_of(self, PyTuple_GET_ITEM(keys, i));
+        Py_ssize_t s = slot_of(self, PySequence_Fast_GET_ITEM(keys, i));
         if (s == -2) goto finish;
         if (s < 0 || ref_of(self, s) != -1) continue;
         if (set_ref(self, s, pin) < 0) goto finish;
-        done[m].offered = self->offered[s];
-        done[m].key = self->keys[s];
+        done[m].offered = self->slot[s].offered;
+        done[m].key = self->slot[s].key;
         m++;
     }
     if (m > 1) qsort(done, (size_t)m, sizeof(ordered_key), by_offer);
@@ -557,15 +605,15 @@ finish:
 /* fail(keys) -> the listed keys whose write was pending, forgotten and their slots freed. */
 static PyObject *Slots_fail(Slots *self, PyObject *seq) {
     if (check_shared(self) < 0) return NULL;
-    PyObject *keys = PySequence_Tuple(seq);
+    PyObject *keys = key_items(seq);
     if (keys == NULL) return NULL;
     PyObject *out = PyList_New(0);
     if (out == NULL) goto fail;
-    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(keys); i++) {
-        Py_ssize_t s = slot_of(self, PyTuple_GET_ITEM(keys, i));
+    for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(keys); i++) {
+        Py_ssize_t s = slot_of(self, PySequence_Fast_GET_ITEM(keys, i));
         if (s == -2) goto fail;
         if (s < 0 || ref_of(self, s) != -1) continue;
-        if (PyList_Append(out, self->keys[s]) < 0 || set_ref(self, s, 0) < 0 ||
+        if (PyList_Append(out, self->slot[s].key) < 0 || set_ref(self, s, 0) < 0 ||
             drop_slot(self, s) < 0)
             goto fail;
     }
@@ -589,8 +637,8 @@ static PyObject *Slots_order(Slots *self, PyObject *Py_UNUSED(ignored)) {
     if (check_shared(self) < 0) return NULL;
     PyObject *out = PyList_New(0);
     if (out == NULL) return NULL;
-    for (Py_ssize_t s = self->head; s != NONE; s = self->next[s]) {
-        if (PyList_Append(out, self->keys[s]) < 0) {
+    for (Py_ssize_t s = self->head; s != NONE; s = self->slot[s].next) {
+        if (PyList_Append(out, self->slot[s].key) < 0) {
             Py_DECREF(out);
             return NULL;
         }
@@ -605,13 +653,13 @@ static PyObject *Slots_free_count(Slots *self, void *Py_UNUSED(closure)) {
 static Py_ssize_t Slots_len(Slots *self) { return self->resident; }
 
 static PyMethodDef Slots_methods[] = {
-    {"repin", (PyCFunction)Slots_repin, METH_VARARGS, NULL},
+    {"repin", (PyCFunction)(void (*)(void))Slots_repin, METH_FASTCALL, NULL},
     {"touch", (PyCFunction)Slots_touch, METH_O, NULL},
     {"candidates", (PyCFunction)Slots_candidates, METH_VARARGS, NULL},
     {"evict", (PyCFunction)Slots_evict, METH_VARARGS, NULL},
     {"insert", (PyCFunction)Slots_insert, METH_VARARGS, NULL},
-    {"store", (PyCFunction)Slots_store, METH_VARARGS, NULL},
-    {"complete", (PyCFunction)Slots_complete, METH_VARARGS, NULL},
+    {"store", (PyCFunction)(void (*)(void))Slots_store, METH_FASTCALL, NULL},
+    {"complete", (PyCFunction)(void (*)(void))Slots_complete, METH_FASTCALL, NULL},
     {"fail", (PyCFunction)Slots_fail, METH_O, NULL},
     {"reset", (PyCFunction)Slots_reset, METH_NOARGS, NULL},
     {"order", (PyCFunction)Slots_order, METH_NOARGS, NULL},
