@@ -1,5 +1,7 @@
 """A hypothesis state machine over the primary tier: random stores, completions (ok or
-failed), loads, touches, lookups and resets, checked against a plain model at every step."""
+failed), loads, touches, lookups and resets, checked against a plain model at every step.
+Its events are exact (each key once, stored only when not readable, removed only when it
+was), and the announcer's path for exact tiers announces them as its general path does."""
 
 from __future__ import annotations
 
@@ -20,6 +22,8 @@ from kvhex.domain import (
     ReqContext,
     Stored,
 )
+from kvhex.domain.announce import Announcer
+from kvhex.domain.primary import PRIMARY_IDENTITY
 from tests.domain.conftest import key
 
 CAPACITY = 6
@@ -36,9 +40,15 @@ class PrimaryMachine(RuleBasedStateMachine):
         self.pins: Counter[OffloadKey] = Counter()
         self.replayed: set[OffloadKey] = set()  # what the event stream says is readable
         self.ctx = ReqContext("r")
+        self.exact = Announcer(exact=(PRIMARY_IDENTITY,))
+        self.general = Announcer()
 
     def _drain(self) -> None:
-        for event in self.tier.take_events():
+        events = self.tier.take_events()
+        assert self.exact.order(events) == self.general.order(events)
+        for event in events:
+            if not isinstance(event, Cleared):
+                assert len(set(event.keys)) == len(event.keys), "a key listed twice"
             if isinstance(event, Stored):
                 assert event.ctx is self.ctx
                 assert not (set(event.keys) & self.replayed), "stored twice without removal"

@@ -44,6 +44,9 @@ from kvhex.domain.tiers import TierIdentity
 
 _Parent = OffloadKey | None | bool
 """A key's parent: a key, ``None`` (the request's first chunk), ``False`` (unknown)."""
+_Solo = tuple[set[OffloadKey], TierIdentity, bool]
+"""A tier announced alone: the keys it announced, its public identity, and whether it is
+exact and announced as itself (its events then go out as they are)."""
 
 
 class _Run:
@@ -93,11 +96,17 @@ class Announcer:
     Args:
         publish_as: the public identity of each tier that is announced under another one
             than its own (a tier absent from it is announced as itself).
+        exact: tiers whose raw events are exact: a ``Stored`` names only keys the tier does
+            not hold readable, each once, and a ``Removed`` only keys it does, each once (the
+            host primary tier's, by construction). Where such a tier is announced alone under
+            its own identity and nothing waits, its events go out as they are, each key
+            recorded with one set operation instead of a test and an update.
     """
 
     __slots__ = (
         "_announced",
         "_device",
+        "_exact",
         "_held",
         "_holders",
         "_publish_as",
@@ -106,17 +115,23 @@ class Announcer:
         "_waiting",
     )
 
-    def __init__(self, publish_as: Mapping[TierIdentity, TierIdentity] | None = None) -> None:
+    def __init__(
+        self,
+        publish_as: Mapping[TierIdentity, TierIdentity] | None = None,
+        exact: Iterable[TierIdentity] = (),
+    ) -> None:
         self._publish_as = dict(publish_as or {})
+        self._exact = frozenset(exact)
         self._announced: dict[TierIdentity, set[OffloadKey]] = {}  # per tier: keys announced
         self._holders: dict[TierIdentity, dict[OffloadKey, int]] = {}  # public -> key -> tiers
         self._waiting: dict[OffloadKey, list[_Held]] = {}  # parent -> keys waiting for it
         self._held: dict[TierIdentity, dict[OffloadKey, _Held]] = {}  # per tier: waiting keys
         self._device: list[_Held] = []  # keys waiting this step whose parent is the device's
         self._sharing: dict[TierIdentity, set[TierIdentity]] = {}  # public -> tiers seen
-        # tiers seen alone under their public identity: the keys each announced, and that
-        # identity (one dict lookup on the common paths instead of three)
-        self._solo: dict[TierIdentity, tuple[set[OffloadKey], TierIdentity]] = {}
+        # tiers seen alone under their public identity: the keys each announced, that
+        # identity, and whether the tier is exact and announced as itself (one dict lookup on
+        # the common paths instead of three)
+        self._solo: dict[TierIdentity, _Solo] = {}
         for tier, public in self._publish_as.items():
             self._sharing.setdefault(public, set()).add(tier)
 
@@ -140,11 +155,29 @@ class Announcer:
         """The events to announce for ``raw`` (one step's, in the tiers' order): public
         identities, each residency's keys once, stores parent-first in runs."""
         out: list[TierEvent] = []
+        solo_of = self._solo
         for event in raw:
             if type(event) is Stored:
-                self._stored(event, out)
+                ctx = event.ctx
+                if (
+                    not self._waiting  # then no key is held either
+                    and not event.records
+                    and (ctx is None or ctx.provenance is None)
+                    and (solo := solo_of.get(event.tier)) is not None
+                ):  # placeholders of a tier announced alone, nothing waiting: each new key goes
+                    if solo[2]:  # an exact tier's, as it is
+                        solo[0].update(event.keys)
+                        out.append(event)
+                    else:
+                        self._placeholders(event, solo, out)
+                else:
+                    self._stored(event, out)
             elif type(event) is Removed:
-                self._removed(event.keys, event.tier, out, event)
+                if not self._held and (solo := solo_of.get(event.tier)) is not None and solo[2]:
+                    solo[0].difference_update(event.keys)  # an exact tier's, as it is
+                    out.append(event)
+                else:
+                    self._removed(event.keys, event.tier, out, event)
             elif isinstance(event, Cleared):
                 self._removed(tuple(self._announced.get(event.tier, ())), event.tier, out)
                 for held in list(self._held.get(event.tier, {}).values()):
@@ -161,15 +194,8 @@ class Announcer:
 
     # -- stores --------------------------------------------------------------------------
     def _stored(self, event: Stored, out: list[TierEvent]) -> None:
+        """``order`` of a ``Stored`` its fast paths do not take."""
         tier, ctx = event.tier, event.ctx
-        if (
-            not self._waiting  # then no key is held either
-            and not event.records
-            and (ctx is None or ctx.provenance is None)
-            and (solo := self._solo.get(tier)) is not None
-        ):  # placeholders of a tier announced alone, nothing waiting: each new key goes
-            self._placeholders(event, solo, out)
-            return
         mine = self._announced.get(tier, ())
         held = self._held.get(tier, {})
         keys = [k for k in dict.fromkeys(event.keys) if k not in mine and k not in held]
@@ -233,17 +259,12 @@ class Announcer:
         if going:
             self._emit(_Run(tier, going, ctx, [records[k] for k in going]), out)
 
-    def _placeholders(
-        self,
-        event: Stored,
-        solo: tuple[set[OffloadKey], TierIdentity],
-        out: list[TierEvent],
-    ) -> None:
+    def _placeholders(self, event: Stored, solo: _Solo, out: list[TierEvent]) -> None:
         """``_emit`` of the keys of ``event`` its tier did not announce yet, in order, for
-        the common case ``_stored`` tests: nothing waits, nothing is known of the keys, and
+        the common case ``order`` tests: nothing waits, nothing is known of the keys, and
         no other tier is announced as this one's public identity (``solo``: the keys the
         tier announced, and that identity)."""
-        mine, public = solo
+        mine, public, _ = solo
         given = event.keys
         before = len(mine)
         keys = given if mine.isdisjoint(given) else [key for key in given if key not in mine]
@@ -316,7 +337,8 @@ class Announcer:
                 self._solo.pop(shared, None)
             return True
         if tier not in self._solo:
-            self._solo[tier] = (self._announced.setdefault(tier, set()), public)
+            exact = tier in self._exact and public == tier
+            self._solo[tier] = (self._announced.setdefault(tier, set()), public, exact)
         return False
 
     def _chain_from(self, first: _Held) -> _Run:
@@ -369,7 +391,7 @@ class Announcer:
         solo = self._solo.get(tier)
         mine: set[OffloadKey] | None
         if solo is not None and held is None:  # the common case: one residency, none held
-            mine, public = solo
+            mine, public, _ = solo
             holders = None
         else:
             public = self._publish_as.get(tier, tier)

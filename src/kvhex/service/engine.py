@@ -23,7 +23,7 @@ from kvhex.domain.events import PublicEvent, TierEvent
 from kvhex.domain.geometry import KvGeometry
 from kvhex.domain.jobs import JobResult, TierJob
 from kvhex.domain.keys import OffloadKey
-from kvhex.domain.primary import StorePlan
+from kvhex.domain.primary import PRIMARY_IDENTITY, StorePlan
 from kvhex.domain.request import ReqContext
 from kvhex.domain.tiers import LookupResult, OffloadPolicy, TierIdentity
 from kvhex.ports.event_sink import EventSink
@@ -41,14 +41,15 @@ def announcer_for(tiers: Iterable[TierStore], owned: Collection[TierIdentity] = 
     locality and, unless its identity is in ``owned``, no ownership name. Routers read a
     residency by medium and locality (Dynamo's indexer drops every event that names an
     ownership, as it drops localities but ``LOCAL``); vLLM's own file and object tiers name
-    none either. A ``PeerView`` tier's other instances' blocks are announced as the tier."""
+    none either. A ``PeerView`` tier's other instances' blocks are announced as the tier.
+    The host primary tier's events are exact (``Announcer``'s ``exact``)."""
     publish_as = {}
     for store in tiers:
         tier = store.identity
         public = tier if tier in owned else TierIdentity(tier.medium, tier.locality, None)
         for identity in tier_identities(store):
             publish_as[identity] = public
-    return Announcer(publish_as)
+    return Announcer(publish_as, exact=(PRIMARY_IDENTITY,))
 
 
 class OffloadEngine:

@@ -292,6 +292,8 @@ class LoadDecider:
 
     def forget(self, ctx: ReqContext) -> None:
         """``ctx`` is done: drop its scan and decisions."""
+        if not (self._scans or self._decided or self._declined or self._planned_get_s):
+            return  # (per finished request: commonly nothing was decided for any)
         self._scans.pop(ctx, None)
         self._decided.pop(ctx, None)
         self._declined.pop(ctx, None)

@@ -53,6 +53,7 @@ log = structlog.get_logger(__name__)
 
 _HIT, _MISS = LookupResult.HIT, LookupResult.MISS
 _PENDING = LookupResult.HIT_PENDING
+_CHUNK_LEVEL = OffloadPolicy.CHUNK_LEVEL
 
 
 @attrs.define(eq=False)
@@ -62,13 +63,18 @@ class _Tier:
     admission: AdmissionPolicy
 
 
-@attrs.define(eq=False)
 class _Request:
-    ctx: ReqContext
-    pending_stores: int = 0
-    finished: bool = False
-    every_chunk_tiers: tuple[_Tier, ...] = ()
-    parked: list[OffloadKey] = attrs.field(factory=list)
+    """What the manager tracks of an active request (one per request, built per
+    ``on_new_request``: a plain class, a third of attrs' keyword ``__init__``)."""
+
+    __slots__ = ("ctx", "every_chunk_tiers", "finished", "parked", "pending_stores")
+
+    def __init__(self, ctx: ReqContext, every_chunk_tiers: tuple[_Tier, ...] = ()) -> None:
+        self.ctx = ctx
+        self.pending_stores = 0
+        self.finished = False
+        self.every_chunk_tiers = every_chunk_tiers  # tiers that want every chunk of it
+        self.parked: list[OffloadKey] = []  # present chunks whose cascade waits for a write
 
 
 class TieringManager:
@@ -323,11 +329,12 @@ class TieringManager:
     def on_new_request(self, ctx: ReqContext) -> OffloadPolicy:
         """First sight of a request: ``REQUEST_LEVEL`` when some tier wants every chunk of it,
         else ``CHUNK_LEVEL``."""
-        every = (
-            tuple(t for t in self._tiers if t.driver.wants_every_chunk(ctx)) if self._tiers else ()
-        )
-        self._requests[ctx] = _Request(ctx, every_chunk_tiers=every)
-        return OffloadPolicy.REQUEST_LEVEL if every else OffloadPolicy.CHUNK_LEVEL
+        if not self._tiers:
+            self._requests[ctx] = _Request(ctx)
+            return _CHUNK_LEVEL
+        every = tuple(t for t in self._tiers if t.driver.wants_every_chunk(ctx))
+        self._requests[ctx] = _Request(ctx, every)
+        return OffloadPolicy.REQUEST_LEVEL if every else _CHUNK_LEVEL
 
     def on_request_finished(self, ctx: ReqContext) -> None:
         """No more submissions for ``ctx``. Secondary tiers are told once its last pending
@@ -340,13 +347,15 @@ class TieringManager:
         if not request.finished or request.pending_stores > 0 or request.parked:
             return
         ctx = request.ctx
-        if self._tiers and self._promotions.waiting(ctx):
+        tiers = self._tiers
+        if tiers and self._promotions.waiting(ctx):
             return  # its promotions go out at step end; then tiers hear "finished"
         del self._requests[ctx]
-        self._promotions.forget(ctx)
         self._loading.forget(ctx)
-        for tier in self._tiers:
-            tier.driver.on_request_finished(ctx)
+        if tiers:  # (promotions come from tiers: with none, nothing to forget)
+            self._promotions.forget(ctx)
+            for tier in tiers:
+                tier.driver.on_request_finished(ctx)
 
     # -- steps ---------------------------------------------------------------------------
     def on_schedule_end(self) -> None:
