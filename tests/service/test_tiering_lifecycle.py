@@ -266,6 +266,59 @@ def test_shutdown_closes_tiers_in_reverse_and_then_the_host_buffer() -> None:
         engine.lookup(key(1), ReqContext("r"))
 
 
+@pytest.mark.parametrize("tiers", [0, 2])
+def test_after_shutdown_every_call_refuses_naming_itself_the_facades_and_its_calls(
+    tiers: int,
+) -> None:
+    """``calls()`` hands out the manager's own methods (no facade frame): they refuse as the
+    facade's methods do, each naming its operation, and change nothing."""
+    world = World(tiers=tiers)
+    engine = OffloadEngine(world.manager)
+    calls = engine.calls()
+    ctx = ReqContext("r")
+    engine.on_new_request(ctx)
+    engine.shutdown()
+    args = {
+        "lookup": (key(1), ctx),
+        "lookup_host": (key(1), ctx),
+        "touch": ([key(1)], ctx),
+        "prepare_load": ([key(1)], ctx),
+        "complete_load": ([key(1)], ctx),
+        "prepare_store": ([key(1)], ctx),
+        "complete_store": ([key(1)], ctx, True),
+        "on_new_request": (ReqContext("s"),),
+        "on_request_finished": (ctx,),
+    }
+    assert set(args) == set(calls._fields)
+    for name, call_args in args.items():
+        operation = "lookup" if name == "lookup_host" else name
+        with pytest.raises(StateError, match=rf"{operation}.*shut down"):
+            getattr(calls, name)(*call_args)
+        if name != "lookup_host":
+            with pytest.raises(StateError, match=rf"{operation}.*shut down"):
+                getattr(engine, name)(*call_args)
+    with pytest.raises(StateError, match=r"on_schedule_end.*shut down"):
+        engine.on_schedule_end()
+    with pytest.raises(StateError, match=r"calls.*shut down"):
+        engine.calls()
+    assert world.manager.stats().active_requests == 1  # nothing changed
+
+
+def test_with_no_secondary_tier_a_request_is_finalized_when_it_finishes() -> None:
+    """Nothing waits for a request's host stores when no tier cascades them: it is
+    finalized at its finish, its stores still pending, and they complete after it."""
+    world = World(tiers=0)
+    ctx = ReqContext("r")
+    world.manager.on_new_request(ctx)
+    plan = world.manager.prepare_store([key(1), key(2)], ctx)
+    assert plan is not None
+    world.manager.on_request_finished(ctx)
+    assert world.manager.stats().active_requests == 0
+    world.manager.complete_store(plan.keys, ctx)
+    assert world.manager.lookup(key(2), ReqContext("s")) is LookupResult.HIT
+    assert world.manager.stats().active_requests == 0
+
+
 def test_a_failed_tier_close_keeps_the_host_buffer_and_reports_the_tier() -> None:
     world = World()
 

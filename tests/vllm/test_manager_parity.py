@@ -196,27 +196,26 @@ def test_deliberate_difference_lru_ignores_request_positions_and_finish(pair: An
     assert victims[1][2] == [key(0)]  # kvhex: the oldest store goes first
 
 
-def test_vllm_events_are_built_by_position_only_in_the_field_order_vllm_declares() -> None:
-    """``take_events`` builds each ``OffloadingEvent`` by position (keywords cost 80% more
-    per event) only where vLLM's dataclass declares these fields first and in this order;
-    elsewhere by keyword. Both give vLLM's event, field for field."""
+def test_vllm_objects_are_built_by_position_only_in_the_field_order_vllm_declares() -> None:
+    """``take_events`` and ``prepare_store`` build vLLM's dataclasses by position (keywords
+    cost up to 80% more per object) only where vLLM declares these fields first and in this
+    order; elsewhere by keyword. Both give vLLM's object, field for field."""
     import dataclasses
 
-    from vllm.v1.kv_offload.base import Locality, Medium
+    from vllm.v1.kv_offload.base import Locality, Medium, PrepareStoreOutput
 
     from kvhex.vllm import _convert
 
-    fields = ([key(1), key(2)], Medium.STORAGE, True, Locality.LOCAL, "files", True)
-    expected = OffloadingEvent(
-        keys=[key(1), key(2)],
-        medium=Medium.STORAGE,
-        removed=True,
-        locality=Locality.LOCAL,
-        ownership="files",
-        removal_expected=True,
-    )
-    assert _convert._event_by_keywords(*fields) == expected
-    assert _convert._offloading_event(*fields) == expected
-    declared = tuple(f.name for f in dataclasses.fields(OffloadingEvent))[:6]
-    by_position = _convert._offloading_event is OffloadingEvent
-    assert by_position == (declared == _convert._EVENT_FIELDS)
+    fields = ("keys", "medium", "removed", "locality", "ownership", "removal_expected")
+    values = ([key(1), key(2)], Medium.STORAGE, True, Locality.LOCAL, "files", True)
+    expected = OffloadingEvent(**dict(zip(fields, values, strict=True)))
+    assert _convert._offloading_event(*values) == expected
+    assert _convert.by_position(OffloadingEvent, fields) is OffloadingEvent
+    swapped = ("medium", "keys", "removed", "locality", "ownership", "removal_expected")
+    by_keyword = _convert.by_position(OffloadingEvent, swapped)
+    assert by_keyword is not OffloadingEvent
+    assert by_keyword(Medium.STORAGE, [key(1), key(2)], *values[2:]) == expected
+    output = ("keys_to_store", "store_spec", "evicted_keys")
+    assert _convert.by_position(PrepareStoreOutput, output) is PrepareStoreOutput
+    declared = tuple(f.name for f in dataclasses.fields(PrepareStoreOutput))
+    assert declared[:3] == output

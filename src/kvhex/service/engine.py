@@ -9,13 +9,15 @@ is a thin translation. It owns the lifecycle: after ``shutdown`` every call rais
 It is closed: callers never reach the tiering manager or the event pipeline behind it. What
 they read is in ``stats()`` (every tier's counters, the events published); what they tune or
 observe has a method of its own (``set_geometry``, ``set_load_mode``, ``observe_prefill``,
-``observe_jobs``, ``add_sink``).
+``observe_jobs``, ``add_sink``). An adapter calling per chunk takes the per-chunk and
+per-request calls once, as ``calls()``: the tiering manager's own methods, without this
+facade's frame in between, refusing after ``shutdown`` as this facade does.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Collection, Iterable, Sequence, Sized
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from kvhex.domain.announce import Announcer
 from kvhex.domain.cost import LoadMode
@@ -50,6 +52,23 @@ def announcer_for(tiers: Iterable[TierStore], owned: Collection[TierIdentity] = 
         for identity in tier_identities(store):
             publish_as[identity] = public
     return Announcer(publish_as, exact=(PRIMARY_IDENTITY,))
+
+
+class EngineCalls(NamedTuple):
+    """An engine's per-chunk and per-request calls, each the tiering manager's own bound
+    method (``OffloadEngine.calls``): the same arguments, answers and errors as the facade's
+    methods of the same names, and like them refusing (``StateError``) once the engine is shut
+    down. ``lookup_host`` is ``lookup(key, ctx, promote=False)``."""
+
+    lookup: Callable[[OffloadKey, ReqContext], LookupResult]
+    lookup_host: Callable[[OffloadKey, ReqContext], LookupResult]
+    touch: Callable[[Sequence[OffloadKey], ReqContext], None]
+    prepare_load: Callable[[Sequence[OffloadKey], ReqContext], list[int]]
+    complete_load: Callable[[Sequence[OffloadKey], ReqContext], None]
+    prepare_store: Callable[[Sequence[OffloadKey], ReqContext], StorePlan | None]
+    complete_store: Callable[[Sequence[OffloadKey], ReqContext, bool], None]
+    on_new_request: Callable[[ReqContext], OffloadPolicy]
+    on_request_finished: Callable[[ReqContext], None]
 
 
 class OffloadEngine:
@@ -87,20 +106,26 @@ class OffloadEngine:
         ``promote=False`` only host memory answers (no promotion starts): for an engine
         that must keep host slots free of new writes for a while (after a reset, until its
         workers confirmed that no late device copy still writes them)."""
-        if self._closed:  # inline, not _live: per chunk, per step
-            raise refused("lookup")
-        if promote:
+        if promote:  # (the manager refuses every call once shut down)
             return self._manager.lookup(key, ctx)
         return self._manager.lookup_host(key)
 
-    def lookup_function(
-        self, *, promote: bool = True
-    ) -> Callable[[OffloadKey, ReqContext], LookupResult]:
-        """``lookup(key, ctx, promote=promote)`` as one bound call, without this facade's
-        frame in between: for an engine adapter that calls it per chunk, per step. Like
-        ``lookup`` it refuses (``StateError``) once the engine is shut down."""
-        manager = self._live("lookup_function")
-        return manager.lookup if promote else manager.lookup_host
+    def calls(self) -> EngineCalls:
+        """The per-chunk and per-request calls (lookup, touch, loads, stores, request
+        lifecycle) as the tiering manager's own bound methods, without this facade's frame in
+        between: for an engine adapter that calls them per chunk, per step."""
+        m = self._live("calls")
+        return EngineCalls(
+            m.lookup,
+            m.lookup_host,
+            m.touch,
+            m.prepare_load,
+            m.complete_load,
+            m.prepare_store,
+            m.complete_store,
+            m.on_new_request,
+            m.on_request_finished,
+        )
 
     def hit_path(
         self,
@@ -130,52 +155,36 @@ class OffloadEngine:
 
     def prepare_load(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> list[int]:
         """Pin the host slots of ``keys`` (answered ``HIT``) for a device load."""
-        if self._closed:
-            raise refused("prepare_load")
         return self._manager.prepare_load(keys, ctx)
 
     def touch(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> None:
         """Mark ``keys`` recently used in every tier."""
-        if self._closed:
-            raise refused("touch")
         self._manager.touch(keys, ctx)
 
     def complete_load(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> None:
         """The device load of ``keys`` finished."""
-        if self._closed:
-            raise refused("complete_load")
         self._manager.complete_load(keys, ctx)
 
     def prepare_store(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> StorePlan | None:
         """Reserve host slots for new keys; ``None`` when the host tier is full."""
-        if self._closed:
-            raise refused("prepare_store")
         return self._manager.prepare_store(keys, ctx)
 
     def complete_store(
         self, keys: Sequence[OffloadKey], ctx: ReqContext, success: bool = True
     ) -> None:
         """The device -> host store of ``keys`` finished (or failed)."""
-        if self._closed:
-            raise refused("complete_store")
         self._manager.complete_store(keys, ctx, success)
 
     def on_new_request(self, ctx: ReqContext) -> OffloadPolicy:
         """First sight of a request; its offload policy."""
-        if self._closed:
-            raise refused("on_new_request")
         return self._manager.on_new_request(ctx)
 
     def on_request_finished(self, ctx: ReqContext) -> None:
         """No more submissions for ``ctx`` (completions may still arrive)."""
-        if self._closed:
-            raise refused("on_request_finished")
         self._manager.on_request_finished(ctx)
 
     def on_schedule_end(self) -> None:
         """Once per scheduler step."""
-        if self._closed:
-            raise refused("on_schedule_end")
         self._manager.on_schedule_end()
 
     def take_events(self, exclude: Collection[TierIdentity] = ()) -> list[PublicEvent]:

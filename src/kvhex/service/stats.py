@@ -175,6 +175,8 @@ class TieringStats:
     primary: PrimaryStats
     tiers: tuple[TierStats, ...]
     active_requests: int
+    """Requests seen and not finalized: not finished, or, with secondary tiers, finished with
+    host stores, cascades or promotions still to go out."""
     jobs_in_flight: int
     lookups: int = 0
     """Lookups asked: ``host_hits`` plus every lookup host memory could not answer ``HIT``."""

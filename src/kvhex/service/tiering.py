@@ -141,7 +141,7 @@ class TieringManager:
         ``MISS`` nowhere, the host tier has no room to promote into, or the request's plan
         recomputes it."""
         if not self._polled:
-            self._poll()
+            self._poll("lookup")
         try:
             slot = self._index_get(key)
         except TypeError:
@@ -207,7 +207,7 @@ class TieringManager:
         (``Promotions.plan_ahead``). ``busy``: other requests are in the engine, whose steps
         run anyway, so a load's steps cost no engine time (``LoadDecider.busy``)."""
         if not self._polled:
-            self._poll()
+            self._poll("plan_ahead")
         self._loading.busy = busy
         self._promotions.plan_ahead(runs, ctx, self.slot_bytes)
 
@@ -232,14 +232,20 @@ class TieringManager:
     # -- loads to the device (delegated) -------------------------------------------------
     def prepare_load(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> list[int]:
         """Pin host slots for a device load (keys answered ``HIT`` this step)."""
+        if self._closed:
+            raise refused("prepare_load")
         return self._primary.prepare_load(keys, ctx)
 
     def complete_load(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> None:
         """Unpin after the device load."""
+        if self._closed:
+            raise refused("complete_load")
         self._primary.complete_load(keys, ctx)
 
     def touch(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> None:
         """Recency for the host tier, then every request-aware secondary tier."""
+        if self._closed:
+            raise refused("touch")
         self._primary.touch(keys, ctx)
         for tier in self._tiers:
             tier.driver.touch(keys, ctx)
@@ -252,10 +258,10 @@ class TieringManager:
         holds are cascaded to those tiers right away (or parked while their write is pending).
         """
         if not self._polled:
-            self._poll()
+            self._poll("prepare_store")
         plan = self._primary.prepare_store(keys, ctx)
-        if plan is None:
-            return None
+        if plan is None or not self._tiers:  # (no tier waits for a request's stores)
+            return plan
         request = self._request(ctx)
         if plan.keys:
             request.pending_stores += 1
@@ -269,7 +275,12 @@ class TieringManager:
     ) -> None:
         """Finish a device -> host store; on success cascade to every admitted tier.
         A failed store never cascades."""
-        if success and self._tiers:
+        if self._closed:
+            raise refused("complete_store")
+        if not self._tiers:
+            self._primary.complete_store(keys, ctx, success)
+            return
+        if success:
             admitted = self._admit(self._tiers, len(keys))
             # complete and pin once per admitted tier in one pass over the keys
             done = self._primary.complete_store(keys, ctx, True, pin=len(admitted))
@@ -329,6 +340,8 @@ class TieringManager:
     def on_new_request(self, ctx: ReqContext) -> OffloadPolicy:
         """First sight of a request: ``REQUEST_LEVEL`` when some tier wants every chunk of it,
         else ``CHUNK_LEVEL``."""
+        if self._closed:
+            raise refused("on_new_request")
         if not self._tiers:
             self._requests[ctx] = _Request(ctx)
             return _CHUNK_LEVEL
@@ -338,7 +351,10 @@ class TieringManager:
 
     def on_request_finished(self, ctx: ReqContext) -> None:
         """No more submissions for ``ctx``. Secondary tiers are told once its last pending
-        host store completed and its cascades were submitted."""
+        host store completed and its cascades were submitted (with no secondary tier nothing
+        waits for them: the request is finalized now)."""
+        if self._closed:
+            raise refused("on_request_finished")
         request = self._request(ctx)
         request.finished = True
         self._maybe_finalize(request)
@@ -362,7 +378,7 @@ class TieringManager:
         """Once per scheduler step: poll finished jobs, submit this step's promotions (one
         get per tier and request) and probes (one per tier), retry parked cascades."""
         if not self._polled:
-            self._poll()
+            self._poll("on_schedule_end")
         self._polled = False
         if self._scans:
             self._promotions.plan(self.slot_bytes)
@@ -379,9 +395,9 @@ class TieringManager:
         for tier in self._tiers:
             tier.driver.submit_probes()
 
-    def _poll(self) -> None:
+    def _poll(self, operation: str) -> None:
         if self._closed:  # shutdown left _polled False: every polling call lands here
-            raise refused("lookup")
+            raise refused(operation)
         self._polled = True
         for tier in self._tiers:
             for job, result in tier.driver.poll():
@@ -420,7 +436,7 @@ class TieringManager:
         """
         for tier in self._tiers:
             tier.driver.drain()
-        self._poll()
+        self._poll("reset")
         if unreported := sum(t.driver.in_flight for t in self._tiers):
             names = ",".join(sorted(t.driver.name for t in self._tiers if t.driver.in_flight))
             raise TierError(f"{unreported} jobs still unreported after drain", tier=names)

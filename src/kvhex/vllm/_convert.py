@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, TypeVar
 
 import structlog
 from vllm.distributed import kv_events as vev
@@ -38,6 +38,7 @@ from kvhex.domain.tiers import (
 from kvhex.vllm._compat import block_stored
 
 log = structlog.get_logger(__name__)
+_T = TypeVar("_T")
 
 LOOKUP = {
     LookupResult.HIT: vbase.LookupResult.HIT,
@@ -181,17 +182,20 @@ def offloading_events(raw: Iterable[kev.TierEvent]) -> list[vbase.OffloadingEven
     """
     out: list[vbase.OffloadingEvent] = []
     make = _offloading_event
+    last: TierIdentity | None = None  # (a tier identity hashes in Python: once per run)
     for event in raw:
         if isinstance(event, kev.Cleared):
             continue
         tier = event.tier
-        if (described := _vtiers.get(tier)) is None:
-            described = _vtiers[tier] = (
-                _vmedium(tier),
-                vllm_locality(tier),
-                tier != PRIMARY_IDENTITY,
-            )
-        medium, locality, removal_expected = described
+        if tier is not last:
+            last = tier
+            if (described := _vtiers.get(tier)) is None:
+                described = _vtiers[tier] = (
+                    _vmedium(tier),
+                    vllm_locality(tier),
+                    tier != PRIMARY_IDENTITY,
+                )
+            medium, locality, removal_expected = described
         out.append(
             make(
                 list(event.keys),
@@ -205,20 +209,22 @@ def offloading_events(raw: Iterable[kev.TierEvent]) -> list[vbase.OffloadingEven
     return out
 
 
+def by_position(cls: Callable[..., _T], fields: tuple[str, ...]) -> Callable[..., _T]:
+    """A builder of the vLLM dataclass ``cls`` from the values of ``fields``, in that order:
+    ``cls`` itself where it declares these fields first and in this order (per step, and
+    keywords cost up to 80% more per object), else a call by keyword."""
+    declared = tuple(f.name for f in dataclasses.fields(cls))  # type: ignore[arg-type]
+    if declared[: len(fields)] == fields:
+        return cls
+
+    def by_keyword(*values: Any) -> _T:
+        return cls(**dict(zip(fields, values, strict=True)))
+
+    return by_keyword
+
+
 _EVENT_FIELDS = ("keys", "medium", "removed", "locality", "ownership", "removal_expected")
-"""The ``OffloadingEvent`` fields ``offloading_events`` passes, in its order."""
-
-
-def _event_by_keywords(*fields: Any) -> vbase.OffloadingEvent:
-    return vbase.OffloadingEvent(**dict(zip(_EVENT_FIELDS, fields, strict=True)))
-
-
-_offloading_event: Callable[..., vbase.OffloadingEvent] = (
-    vbase.OffloadingEvent  # by position where its first fields are these, in this order
-    if tuple(f.name for f in dataclasses.fields(vbase.OffloadingEvent))[:6] == _EVENT_FIELDS
-    else _event_by_keywords  # (keywords cost 80% more per event)
-)
-"""Builds one ``OffloadingEvent`` from the fields of ``_EVENT_FIELDS``, in order."""
+_offloading_event = by_position(vbase.OffloadingEvent, _EVENT_FIELDS)
 
 
 _vtiers: dict[TierIdentity, tuple[vbase.Medium, vbase.Locality | None, bool]] = {}

@@ -52,6 +52,7 @@ from kvhex.service.stats import TieringStats
 from kvhex.vllm._compat import RESET_FLUSH_STEPS, SIGNALS_RESET_FLUSHED
 from kvhex.vllm._convert import (
     LOOKUP,
+    by_position,
     context_of,
     offloading_events,
     policy_of,
@@ -62,6 +63,9 @@ from kvhex.vllm.metrics import VllmMetrics, cache_hit_source
 
 _HIT, _MISS, _RETRY = LookupResult.HIT, LookupResult.MISS, LookupResult.RETRY
 _VHIT, _VMISS = vbase.LookupResult.HIT, vbase.LookupResult.MISS
+_store_output = by_position(
+    vbase.PrepareStoreOutput, ("keys_to_store", "store_spec", "evicted_keys")
+)
 _NO_CONTEXT = ReqContext(req_id="")
 """The last context asked about before any was: paired with no vLLM context, never used."""
 
@@ -116,12 +120,11 @@ class KvhexOffloadingManager(vbase.OffloadingManager):
             store_threshold=store_threshold,
         )
         # the hot path's bound calls (the engine's lookup with promotions, or host memory
-        # alone while they are held), and the context of the request vLLM asked about last
-        # (it asks about one request's chunks in a row): per lookup, an identity test
-        # instead of a state lookup
-        self._lookup_any = engine.lookup_function()
-        self._lookup_host = engine.lookup_function(promote=False)
-        self._lookup = self._lookup_any
+        # alone while they are held; the per-chunk and per-request calls), and the context of
+        # the request vLLM asked about last (it asks about one request's chunks in a row): per
+        # lookup, an identity test instead of a state lookup
+        self._calls = calls = engine.calls()
+        self._lookup = calls.lookup
         self._lookup_delay = self._metrics.lookup_delay_recorder()
         self._last_vctx: vbase.ReqContext | None = None
         self._last_ctx: ReqContext = _NO_CONTEXT
@@ -227,29 +230,25 @@ class KvhexOffloadingManager(vbase.OffloadingManager):
     ) -> CPULoadStoreSpec:
         ctx = self._last_ctx if req_context is self._last_vctx else self._ctx(req_context)
         return CPULoadStoreSpec(
-            self._engine.prepare_load(keys if type(keys) is list else list(keys), ctx)
+            self._calls.prepare_load(keys if type(keys) is list else list(keys), ctx)
         )
 
     def touch(self, keys: Collection[OffloadKey], req_context: vbase.ReqContext) -> None:
         ctx = self._last_ctx if req_context is self._last_vctx else self._ctx(req_context)
-        self._engine.touch(keys if type(keys) is list else list(keys), ctx)
+        self._calls.touch(keys if type(keys) is list else list(keys), ctx)
 
     def complete_load(self, keys: Collection[OffloadKey], req_context: vbase.ReqContext) -> None:
         ctx = self._last_ctx if req_context is self._last_vctx else self._ctx(req_context)
-        self._engine.complete_load(keys if type(keys) is list else list(keys), ctx)
+        self._calls.complete_load(keys if type(keys) is list else list(keys), ctx)
 
     def prepare_store(
         self, keys: Collection[OffloadKey], req_context: vbase.ReqContext
     ) -> vbase.PrepareStoreOutput | None:
         ctx = self._last_ctx if req_context is self._last_vctx else self._ctx(req_context)
-        plan = self._engine.prepare_store(keys if type(keys) is list else list(keys), ctx)
+        plan = self._calls.prepare_store(keys if type(keys) is list else list(keys), ctx)
         if plan is None:
             return None
-        return vbase.PrepareStoreOutput(
-            keys_to_store=plan.keys,
-            store_spec=CPULoadStoreSpec(plan.slots),
-            evicted_keys=plan.evicted,
-        )
+        return _store_output(plan.keys, CPULoadStoreSpec(plan.slots), plan.evicted)
 
     def complete_store(
         self,
@@ -258,7 +257,7 @@ class KvhexOffloadingManager(vbase.OffloadingManager):
         success: bool = True,
     ) -> None:
         ctx = self._last_ctx if req_context is self._last_vctx else self._ctx(req_context)
-        self._engine.complete_store(keys if type(keys) is list else list(keys), ctx, success)
+        self._calls.complete_store(keys if type(keys) is list else list(keys), ctx, success)
 
     def on_new_request(self, req_context: vbase.ReqContext) -> vbase.RequestOffloadingContext:
         ctx, _ = context_of(req_context)
@@ -269,12 +268,12 @@ class KvhexOffloadingManager(vbase.OffloadingManager):
             and getattr(request, "request_id", None) == req_context.req_id
         ):
             ctx.provenance = provenance_of(request, self._geometry)
-        return policy_of(self._engine.on_new_request(ctx))
+        return policy_of(self._calls.on_new_request(ctx))
 
     def on_request_finished(self, req_context: vbase.ReqContext) -> None:
         if self._deferred:
             self._deferred.pop(req_context.req_id, None)
-        self._engine.on_request_finished(self._ctx(req_context))
+        self._calls.on_request_finished(self._ctx(req_context))
         if req_context is self._last_vctx:
             # not kept alive by being the last asked about (its jobs' contexts carry it on)
             self._last_vctx, self._last_ctx = None, _NO_CONTEXT
@@ -335,7 +334,7 @@ class KvhexOffloadingManager(vbase.OffloadingManager):
     def _hold_promotions(self, held: bool) -> None:
         """Lookups answer from host memory alone (``held``) or from every tier."""
         self._promotions_held = held
-        self._lookup = self._lookup_host if held else self._lookup_any
+        self._lookup = self._calls.lookup_host if held else self._calls.lookup
         if self._hit_path is not None:  # host memory alone: no hit remembered nor counted
             self.lookup = self._python_lookup if held else self._hit_path  # type: ignore[method-assign,assignment]
 
