@@ -348,3 +348,24 @@ def test_a_busy_engine_counts_no_loads_wait() -> None:
     assert _ask(world, [1, 2], busy) == [HIT] * 2
     world.manager.plan_ahead([keys(1, 2)], idle, busy=False)
     assert _ask(world, [1, 2], idle) == [MISS]
+
+
+def test_a_snapshot_copies_every_counter_and_the_measured_waits_field_by_field() -> None:
+    """``snapshot`` builds the copy by position (vLLM asks every step): each field lands in
+    its own place, and later changes do not move the copy."""
+    import attrs
+
+    decider = LoadDecider(LoadMode.AUTO)
+    names = [f.name for f in attrs.fields(type(decider.stats))]
+    for i, name in enumerate(names):
+        setattr(decider.stats, name, i + 1)
+    snapshot = decider.snapshot()
+    expected = attrs.evolve(
+        decider.stats, wait_host_s=decider.waits.host_s, wait_promote_s=decider.waits.promote_s
+    )
+    assert snapshot == expected
+    assert [getattr(snapshot, n) for n in names if not n.startswith("wait_")] == [
+        i + 1 for i, n in enumerate(names) if not n.startswith("wait_")
+    ]
+    decider.stats.loaded_all += 1
+    assert snapshot.loaded_all == 1

@@ -8,6 +8,7 @@ scheduler-side connector, as tests/vllm/test_connector.py does.
 
 from __future__ import annotations
 
+import collections
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -132,7 +133,10 @@ def test_a_workload_reports_vllms_metrics_and_the_real_hit_sources(
     # answered each at once (m1's first chunk a miss, m3's four hits)
     assert not values.get(TieringOffloadingMetrics.LOOKUP_ASYNC_DELAY, {}).get(("0:primary",))
     assert 0 <= values[CPUOffloadingMetrics.CPU_CACHE_USAGE_PERC][()] <= 1
-    assert values[CPUOffloadingMetrics.CPU_ALLOCATION_SIZE][()]  # one sample per store
+    # one sample per store that allocated, its size: every store once over the payloads
+    sizes = values[CPUOffloadingMetrics.CPU_ALLOCATION_SIZE][()]
+    assert sizes
+    assert collections.Counter(sizes) == manager.stats().primary.allocation_sizes
     latency = getattr(TieringOffloadingMetrics, "PROMOTION_LATENCY", None)
     if latency is not None:  # vLLM 0.33
         assert len(values[latency][(*tier, "success")]) == 1

@@ -307,7 +307,18 @@ class LoadDecider:
         self._planned_get_s.clear()
 
     def snapshot(self) -> LoadStats:
-        """A copy of the counters."""
-        return attrs.evolve(
-            self.stats, wait_host_s=self.waits.host_s, wait_promote_s=self.waits.promote_s
+        """A copy of the counters (built field by field: vLLM asks every step, and
+        ``attrs.evolve`` costs three times as much)."""
+        s = self.stats
+        return LoadStats(
+            s.loaded_all,
+            s.loaded_part,
+            s.recomputed,
+            s.explored,
+            s.chunks_loaded,
+            s.chunks_recomputed,
+            s.last_load_s,
+            s.last_recompute_s,
+            self.waits.host_s,
+            self.waits.promote_s,
         )

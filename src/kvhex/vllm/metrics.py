@@ -247,10 +247,12 @@ class VllmMetrics:
         stats.set_gauge(Cpu.CPU_CACHE_USAGE_PERC, host.usage)
         stats.set_gauge(Cpu.CPU_CACHE_WRITE_USAGE_PERC, host.write_usage)
         stats.set_gauge(Cpu.CPU_CACHE_READ_USAGE_PERC, host.read_usage)
+        last_sizes = self._last_sizes
         for size, count in host.allocation_sizes.items():
-            for _ in range(min(count - self._last_sizes.get(size, 0), MAX_SAMPLES)):
-                stats.observe_histogram(Cpu.CPU_ALLOCATION_SIZE, size)
-        self._last_sizes = dict(host.allocation_sizes)
+            if (new := count - last_sizes.get(size, 0)) > 0:  # (most sizes: none this step)
+                for _ in range(min(new, MAX_SAMPLES)):
+                    stats.observe_histogram(Cpu.CPU_ALLOCATION_SIZE, size)
+        self._last_sizes = host.allocation_sizes  # (the snapshot's own copy)
         if self._store_threshold >= 2:
             skipped = host.stores_skipped - (last.primary.stores_skipped if last else 0)
             stats.increase_counter(Cpu.STORES_SKIPPED, skipped)
