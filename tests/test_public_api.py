@@ -47,7 +47,7 @@ API: dict[str, list[str]] = {
         "RecordSealing", "RequestAware", "TenantRefusals", "TierHealth", "TierStore",
     ],
     "kvhex.service": [
-        "EventPipeline", "EventStats", "LoadDecider", "LoadStats", "OffloadEngine",
+        "EngineCalls", "EventPipeline", "EventStats", "LoadDecider", "LoadStats", "OffloadEngine",
         "ProbeCache", "SinkStats", "TierDriver", "TierStats", "TieringManager", "TieringStats",
     ],
     "kvhex.config": [

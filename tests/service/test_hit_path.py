@@ -116,28 +116,40 @@ TestPathAndLookup = PathAndLookup.TestCase
 TestPathAndLookupWithATier = PathAndLookupWithATier.TestCase
 
 
-def test_the_path_answers_natively_only_after_the_steps_first_hit() -> None:
-    world = World(num_slots=4, tiers=0)
-    calls: list[bytes] = []
+def test_the_path_answers_natively_only_once_no_poll_is_due() -> None:
+    """With a secondary tier the step's first lookup is the fallback's (it polls the tier);
+    then host hits are the path's until the step ends. With none there is nothing to poll:
+    the path answers from the step after the first poll on, until a reset."""
+    for tiers in (1, 0):
+        world = World(num_slots=4, tiers=tiers)
+        calls: list[bytes] = []
 
-    def fallback(k: Any, ctx: ReqContext) -> Any:
-        calls.append(k)
-        return _as_adapter(world.manager.lookup(k, ctx))
+        def fallback(
+            k: Any, ctx: ReqContext, world: World = world, calls: list[bytes] = calls
+        ) -> Any:
+            calls.append(k)
+            return _as_adapter(world.manager.lookup(k, ctx))
 
-    path = world.manager.hit_path(fallback, HIT, MISS)
-    assert path is not None
-    ctx = ReqContext("r")
-    world.store([1, 2], ctx)
-    world.step()
-    assert path(key(1), ctx) == HIT  # the step's first lookup: the fallback polls
-    assert path(key(2), ctx) == HIT
-    assert path(key(3), ctx) == MISS
-    assert calls == [key(1)]
-    assert path.misses == 1
-    assert world.manager.stats().lookups == 3
-    world.step()  # a new step: its first lookup is the fallback's again
-    assert path(key(2), ctx) == HIT
-    assert calls == [key(1), key(2)]
+        path = world.manager.hit_path(fallback, HIT, MISS)
+        assert path is not None
+        ctx = ReqContext("r")
+        world.store([1, 2], ctx)
+        world.step()
+        assert path(key(1), ctx) == HIT  # with a tier: the step's first lookup polls
+        assert path(key(2), ctx) == HIT
+        first = [key(1)] if tiers else []
+        assert calls == first
+        if not tiers:  # a miss with no tier to ask is the path's too
+            assert path(key(3), ctx) == MISS
+            assert path.misses == 1
+            assert calls == first
+        world.step()  # a new step
+        assert path(key(2), ctx) == HIT
+        assert calls == ([*first, key(2)] if tiers else [])
+        world.manager.reset()  # the host tier is empty, and a poll is due again
+        before = len(calls)
+        assert path(key(2), ctx) != HIT  # (with a tier: its probe's RETRY)
+        assert calls[before:] == [key(2)]
 
 
 def test_a_bad_key_gets_the_lookups_own_error_and_a_shut_manager_refuses() -> None:

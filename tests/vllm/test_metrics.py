@@ -127,8 +127,9 @@ def test_a_workload_reports_vllms_metrics_and_the_real_hit_sources(
     assert values[TieringOffloadingMetrics.CHUNK_QUERIES][tier] == 5
     assert values[TieringOffloadingMetrics.CHUNK_HITS][("0:primary",)] >= 4
     assert values[TieringOffloadingMetrics.ACTIVE_CASCADE_JOBS][tier] == 0
-    # sampled: the first lookup of each run of one request's lookups (m1, m2, m3: three)
-    assert len(values[TieringOffloadingMetrics.LOOKUP_SYNC_DELAY][("0:primary",)]) >= 3
+    # sampled: the first resolved lookup of each run of one request's lookups answered in
+    # Python (host hits, answered natively once the step polled the tier, are not timed)
+    assert len(values[TieringOffloadingMetrics.LOOKUP_SYNC_DELAY][("0:primary",)]) >= 1
     # no lookup waited for a probe (RETRY) before resolving: the file tier's own index
     # answered each at once (m1's first chunk a miss, m3's four hits)
     assert not values.get(TieringOffloadingMetrics.LOOKUP_ASYNC_DELAY, {}).get(("0:primary",))

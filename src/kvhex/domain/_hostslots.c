@@ -34,7 +34,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#define API_VERSION 1
+#define API_VERSION 2
 #define NONE (-1)
 #define SCAN_MAX 16 /* candidates compared one by one before a set is built */
 
@@ -690,18 +690,20 @@ static PyTypeObject SlotsType = {
 
 /* -- HitPath ------------------------------------------------------------------------------ */
 
-/* HitPath(fallback, index, refs, hits, idle, hit, miss=None): called as a lookup(key, ctx)
- * while `hits` is not empty and every container of `idle` is empty, it answers `hit` and
- * adds key to `hits` when key's slot in `index` has a ref count >= 0 in `refs`, and (unless
- * `miss` is None) answers `miss` and counts it in `misses` when key is not in `index`;
- * otherwise it returns fallback(key, ctx). The owner (TieringManager.hit_path) says why
- * these conditions make those answers its own lookup's, for any request. */
+/* HitPath(fallback, index, refs, hits, ready, idle, hit, miss=None): called as a
+ * lookup(key, ctx) while the list `ready` is not empty and every container of `idle` is
+ * empty, it answers `hit` and adds key to `hits` when key's slot in `index` has a ref count
+ * >= 0 in `refs`, and (unless `miss` is None) answers `miss` and counts it in `misses` when
+ * key is not in `index`; otherwise it returns fallback(key, ctx). The owner
+ * (TieringManager.hit_path) says why these conditions make those answers its own lookup's,
+ * for any request. */
 typedef struct {
     PyObject_HEAD
     PyObject *fallback;
     PyObject *index;
     PyObject *refs;
     PyObject *hits;
+    PyObject *ready; /* a list: not empty while the path may answer */
     PyObject *idle;  /* a tuple of sized containers */
     PyObject *hit;
     PyObject *miss;  /* NULL: misses go to the fallback */
@@ -716,7 +718,7 @@ static PyObject *HitPath_vectorcall(HitPath *self, PyObject *const *args, size_t
         PyErr_SetString(PyExc_RuntimeError, "HitPath is not initialized");
         return NULL;
     }
-    if (nargs == 2 && kwnames == NULL && PySet_GET_SIZE(self->hits)) {
+    if (nargs == 2 && kwnames == NULL && PyList_GET_SIZE(self->ready)) {
         int idle = 1;
         for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(self->idle); i++) {
             PyObject *c = PyTuple_GET_ITEM(self->idle, i);
@@ -745,11 +747,13 @@ static PyObject *HitPath_vectorcall(HitPath *self, PyObject *const *args, size_t
 }
 
 static int HitPath_init(HitPath *self, PyObject *args, PyObject *kwds) {
-    static char *names[] = {"fallback", "index", "refs", "hits", "idle", "hit", "miss", NULL};
-    PyObject *fallback, *index, *refs, *hits, *idle, *hit, *miss = Py_None;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OO!O!O!O!O|O", names, &fallback,
+    static char *names[] = {"fallback", "index", "refs", "hits", "ready",
+                            "idle",     "hit",   "miss", NULL};
+    PyObject *fallback, *index, *refs, *hits, *ready, *idle, *hit, *miss = Py_None;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OO!O!O!O!O!O|O", names, &fallback,
                                      &PyDict_Type, &index, &PyList_Type, &refs, &PySet_Type,
-                                     &hits, &PyTuple_Type, &idle, &hit, &miss))
+                                     &hits, &PyList_Type, &ready, &PyTuple_Type, &idle, &hit,
+                                     &miss))
         return -1;
     if (!PyCallable_Check(fallback)) {
         PyErr_SetString(PyExc_TypeError, "fallback must be callable");
@@ -759,6 +763,7 @@ static int HitPath_init(HitPath *self, PyObject *args, PyObject *kwds) {
     Py_XSETREF(self->index, Py_NewRef(index));
     Py_XSETREF(self->refs, Py_NewRef(refs));
     Py_XSETREF(self->hits, Py_NewRef(hits));
+    Py_XSETREF(self->ready, Py_NewRef(ready));
     Py_XSETREF(self->idle, Py_NewRef(idle));
     Py_XSETREF(self->hit, Py_NewRef(hit));
     Py_XSETREF(self->miss, miss == Py_None ? NULL : Py_NewRef(miss));
@@ -772,6 +777,7 @@ static int HitPath_traverse(HitPath *self, visitproc visit, void *arg) {
     Py_VISIT(self->index);
     Py_VISIT(self->refs);
     Py_VISIT(self->hits);
+    Py_VISIT(self->ready);
     Py_VISIT(self->idle);
     Py_VISIT(self->hit);
     Py_VISIT(self->miss);
@@ -783,6 +789,7 @@ static int HitPath_clear(HitPath *self) {
     Py_CLEAR(self->index);
     Py_CLEAR(self->refs);
     Py_CLEAR(self->hits);
+    Py_CLEAR(self->ready);
     Py_CLEAR(self->idle);
     Py_CLEAR(self->hit);
     Py_CLEAR(self->miss);

@@ -37,6 +37,7 @@ class HitPath:
         index: dict[OffloadKey, int],
         refs: list[int],
         hits: set[OffloadKey],
+        ready: list[bool],
         idle: tuple[Sized, ...],
         hit: object,
         miss: object = None,

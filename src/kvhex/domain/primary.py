@@ -53,7 +53,7 @@ _HIT = LookupResult.HIT
 _HIT_PENDING = LookupResult.HIT_PENDING
 
 PRIMARY_IDENTITY = TierIdentity(Medium.CPU)
-_NATIVE_API = 1
+_NATIVE_API = 2
 """The ``_hostslots`` API this code speaks (a build of another version is not used)."""
 
 

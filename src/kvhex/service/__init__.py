@@ -1,6 +1,6 @@
 """Orchestration over ports (tiering manager, engine facade); no IO of its own."""
 
-from kvhex.service.engine import OffloadEngine
+from kvhex.service.engine import EngineCalls, OffloadEngine
 from kvhex.service.events import EventPipeline
 from kvhex.service.loading import LoadDecider
 from kvhex.service.probes import ProbeCache
@@ -9,6 +9,7 @@ from kvhex.service.tier_driver import TierDriver
 from kvhex.service.tiering import TieringManager
 
 __all__ = [
+    "EngineCalls",
     "EventPipeline",
     "EventStats",
     "LoadDecider",

@@ -131,7 +131,9 @@ class TieringManager:
         self._lookup_tiers = self._promotions.lookup
         index, self._refs = primary.read_view()
         self._index_get = index.get
-        self._polled = False
+        # not empty once this step's tiers were polled, until the step ends (with no tier to
+        # poll, until a reset or shutdown): a list, so that a native hit path can read it
+        self._polled: list[bool] = []
         self._closed = False
 
     # -- lookups -------------------------------------------------------------------------
@@ -178,10 +180,10 @@ class TieringManager:
         It answers only while every container of ``idle`` (the adapter's own reasons to see
         a lookup) is empty, and so are this manager's open load scans and declined host hits
         (their requests' lookups note or refuse host hits): a host hit's or miss's answer is
-        then the same for every request. And only after a lookup this step answered ``HIT``:
-        the set of this step's hits is not empty only between the step's first poll and its
-        end (reset and shutdown clear it too), so the path never skips a poll nor answers
-        after a shutdown."""
+        then the same for every request. And only once no poll is due: after the step's first
+        poll until the step ends (with no secondary tier, whose poll would find nothing,
+        until a reset), and never after a shutdown, so the path never skips a poll nor
+        answers for a shut manager."""
         module, _ = native_module()
         if module is None:
             return None
@@ -191,6 +193,7 @@ class TieringManager:
             index,
             refs,
             self._hits_this_step,
+            self._polled,
             (self._scans, self._declined, *idle),
             hit,
             None if self._tiers else miss,
@@ -379,7 +382,8 @@ class TieringManager:
         get per tier and request) and probes (one per tier), retry parked cascades."""
         if not self._polled:
             self._poll("on_schedule_end")
-        self._polled = False
+        if self._tiers:  # the next step polls them first (with none, no poll is due)
+            self._polled.clear()
         if self._scans:
             self._promotions.plan(self.slot_bytes)
         self._host_hits += len(self._hits_this_step)
@@ -396,9 +400,10 @@ class TieringManager:
             tier.driver.submit_probes()
 
     def _poll(self, operation: str) -> None:
-        if self._closed:  # shutdown left _polled False: every polling call lands here
+        if self._closed:  # shutdown left _polled empty: every polling call lands here
             raise refused(operation)
-        self._polled = True
+        if not self._polled:
+            self._polled.append(True)
         for tier in self._tiers:
             for job, result in tier.driver.poll():
                 self._finish(tier, job, result)
@@ -454,7 +459,7 @@ class TieringManager:
             request.parked.clear()
             self._maybe_finalize(request)
         self._primary.reset()
-        self._polled = False
+        self._polled.clear()
         return device_busy
 
     def shutdown(self) -> None:
@@ -474,9 +479,10 @@ class TieringManager:
             names = ",".join(name for name, _ in failed)
             raise TierError(f"shutdown failed; host buffer kept: {detail}", tier=names)
         self._closed = True
-        self._polled = False  # the next lookup, store or step polls: and is refused
+        self._polled.clear()  # the next lookup, store or step polls, and is refused (and a
+        # native hit path answers no more)
         self._host_hits += len(self._hits_this_step)
-        self._hits_this_step.clear()  # (a native hit path answers only while it holds some)
+        self._hits_this_step.clear()
         host: object = self._host  # any buffer may hold memory to give back: ask it
         self._host = None
         if isinstance(host, Closeable):
