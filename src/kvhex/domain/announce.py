@@ -156,10 +156,6 @@ class Announcer:
         identities, each residency's keys once, stores parent-first in runs."""
         out: list[TierEvent] = []
         solo_of = self._solo
-        # the exact tier announced alone whose event went out as it is last, and its keys (a
-        # tier identity hashes in Python: the next event of the same tier skips the lookup)
-        exact: TierIdentity | None = None
-        exact_keys: set[OffloadKey] = set()
         for event in raw:
             if type(event) is Stored:
                 ctx = event.ctx
@@ -167,36 +163,22 @@ class Announcer:
                     not self._waiting  # then no key is held either
                     and not event.records
                     and (ctx is None or ctx.provenance is None)
-                ):  # placeholders: of a tier announced alone, each new key goes
-                    tier = event.tier
-                    if tier is not exact:
-                        solo = solo_of.get(tier)
-                        if solo is None or not solo[2]:
-                            exact = None
-                            if solo is None:
-                                self._stored(event, out)
-                            else:
-                                self._placeholders(event, solo, out)
-                            continue
-                        exact, exact_keys = tier, solo[0]
-                    exact_keys.update(event.keys)  # an exact tier's event, as it is
-                    out.append(event)
-                    continue
-                exact = None
-                self._stored(event, out)
-            elif type(event) is Removed:
-                tier = event.tier
-                if not self._held:
-                    if tier is not exact and (solo := solo_of.get(tier)) is not None and solo[2]:
-                        exact, exact_keys = tier, solo[0]
-                    if tier is exact:
-                        exact_keys.difference_update(event.keys)  # an exact tier's, as it is
+                    and (solo := solo_of.get(event.tier)) is not None
+                ):  # placeholders of a tier announced alone, nothing waiting: each new key goes
+                    if solo[2]:  # an exact tier's event, as it is
+                        solo[0].update(event.keys)
                         out.append(event)
-                        continue
-                exact = None
-                self._removed(event.keys, tier, out, event)
+                    else:
+                        self._placeholders(event, solo, out)
+                else:
+                    self._stored(event, out)
+            elif type(event) is Removed:
+                if not self._held and (solo := solo_of.get(event.tier)) is not None and solo[2]:
+                    solo[0].difference_update(event.keys)  # an exact tier's event, as it is
+                    out.append(event)
+                else:
+                    self._removed(event.keys, event.tier, out, event)
             elif isinstance(event, Cleared):
-                exact = None
                 self._removed(tuple(self._announced.get(event.tier, ())), event.tier, out)
                 for held in list(self._held.get(event.tier, {}).values()):
                     self._unhold(held)

@@ -278,12 +278,7 @@ class PrimaryTier:
         Raises:
             StateError: a key is absent or its write is still pending (nothing is pinned).
         """
-        native = self._native
-        if native is not None and type(pinned := native.repin(keys, 1)) is tuple:
-            slots, newly = pinned  # (inline: per request, per step)
-            self._evictable -= newly
-        else:  # the Python path, or a key the native pass refused (it changed nothing)
-            slots = self._pin(keys, "prepare_load")
+        slots = self._pin(keys, "prepare_load")
         self._loads += len(slots)
         return slots
 
@@ -294,11 +289,7 @@ class PrimaryTier:
         Raises:
             StateError: a key is absent or not pinned (nothing is unpinned).
         """
-        native = self._native
-        if native is not None and type(unpinned := native.repin(keys, -1)) is tuple:
-            self._evictable += unpinned[1]  # (inline: per request, per step)
-        else:  # the Python path, or a key the native pass refused (it changed nothing)
-            self._unpin(keys, "complete_load")
+        self._unpin(keys, "complete_load")
 
     def pin(self, keys: Sequence[OffloadKey], times: int = 1) -> list[int]:
         """Pin ``keys`` ``times`` times, once per secondary tier about to read them (a cascade

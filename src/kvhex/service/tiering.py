@@ -53,7 +53,6 @@ log = structlog.get_logger(__name__)
 
 _HIT, _MISS = LookupResult.HIT, LookupResult.MISS
 _PENDING = LookupResult.HIT_PENDING
-_CHUNK_LEVEL = OffloadPolicy.CHUNK_LEVEL
 
 
 @attrs.define(eq=False)
@@ -345,12 +344,11 @@ class TieringManager:
         else ``CHUNK_LEVEL``."""
         if self._closed:
             raise refused("on_new_request")
-        if not self._tiers:
-            self._requests[ctx] = _Request(ctx)
-            return _CHUNK_LEVEL
-        every = tuple(t for t in self._tiers if t.driver.wants_every_chunk(ctx))
+        every = (
+            tuple(t for t in self._tiers if t.driver.wants_every_chunk(ctx)) if self._tiers else ()
+        )
         self._requests[ctx] = _Request(ctx, every)
-        return OffloadPolicy.REQUEST_LEVEL if every else _CHUNK_LEVEL
+        return OffloadPolicy.REQUEST_LEVEL if every else OffloadPolicy.CHUNK_LEVEL
 
     def on_request_finished(self, ctx: ReqContext) -> None:
         """No more submissions for ``ctx``. Secondary tiers are told once its last pending

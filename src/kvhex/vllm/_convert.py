@@ -55,15 +55,9 @@ _unmapped_localities: set[TierIdentity] = set()
 
 def policy_of(policy: OffloadPolicy) -> vbase.RequestOffloadingContext:
     """kvhex offload policy -> vLLM's per-request offloading context."""
-    if policy is _KVHEX_CHUNK_LEVEL:  # once per request: no lookup by value, no keyword
-        return _RequestOffloadingContext(_CHUNK_LEVEL)
-    return vbase.RequestOffloadingContext(policy=vbase.OffloadPolicy(policy.value))
-
-
-_KVHEX_CHUNK_LEVEL = OffloadPolicy.CHUNK_LEVEL
-_CHUNK_LEVEL = vbase.OffloadPolicy.CHUNK_LEVEL
-_RequestOffloadingContext = vbase.RequestOffloadingContext
-_ALL_TIERS = vbase.TierFilter.ALL
+    if policy is OffloadPolicy.CHUNK_LEVEL:  # once per request: no lookup by value
+        return vbase.RequestOffloadingContext(vbase.OffloadPolicy.CHUNK_LEVEL)
+    return vbase.RequestOffloadingContext(vbase.OffloadPolicy(policy.value))
 
 
 def tier_filter_of(vfilter: vbase.TierFilter) -> TierFilter:
@@ -90,13 +84,8 @@ def context_of(vctx: vbase.ReqContext) -> tuple[ReqContext, bool]:
     ctx = vctx.get_state(ReqContext)
     if ctx is not None:
         return ctx, False
-    vfilter = vctx.load_tier_filter
     # (positional: once per request, and keywords cost a third of building it)
-    ctx = ReqContext(
-        vctx.req_id,
-        vctx.kv_transfer_params,
-        TierFilter.ALL if vfilter is _ALL_TIERS else tier_filter_of(vfilter),
-    )
+    ctx = ReqContext(vctx.req_id, vctx.kv_transfer_params, tier_filter_of(vctx.load_tier_filter))
     vctx.set_state(ctx)
     return ctx, True
 
