@@ -53,6 +53,7 @@ log = structlog.get_logger(__name__)
 
 _HIT, _MISS = LookupResult.HIT, LookupResult.MISS
 _PENDING = LookupResult.HIT_PENDING
+_CHUNK_LEVEL = OffloadPolicy.CHUNK_LEVEL  # (per request: a global, not an enum lookup)
 
 
 @attrs.define(eq=False)
@@ -348,7 +349,7 @@ class TieringManager:
             tuple(t for t in self._tiers if t.driver.wants_every_chunk(ctx)) if self._tiers else ()
         )
         self._requests[ctx] = _Request(ctx, every)
-        return OffloadPolicy.REQUEST_LEVEL if every else OffloadPolicy.CHUNK_LEVEL
+        return OffloadPolicy.REQUEST_LEVEL if every else _CHUNK_LEVEL
 
     def on_request_finished(self, ctx: ReqContext) -> None:
         """No more submissions for ``ctx``. Secondary tiers are told once its last pending
