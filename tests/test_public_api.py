@@ -44,7 +44,8 @@ API: dict[str, list[str]] = {
     "kvhex.ports": [
         "BlockCodec", "BlockTransfer", "Closeable", "CodecCorrupt", "CodecRefused", "Deletes",
         "EventSink", "EventSource", "HostBuffer", "Indexed", "Occupancy", "PeerView",
-        "RecordSealing", "RequestAware", "TenantRefusals", "TierHealth", "TierStore",
+        "RecordSealing", "RequestAware", "ScheduledWork", "TenantRefusals", "TierHealth",
+        "TierStore",
     ],
     "kvhex.service": [
         "EngineCalls", "EventPipeline", "EventStats", "LoadDecider", "LoadStats", "OffloadEngine",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 
 import pytest
@@ -366,3 +367,33 @@ def test_engine_facade_drives_the_full_cycle() -> None:
     assert engine.stats().tiers[0].puts_ok == 1
     engine.reset()
     engine.shutdown()
+
+
+class _Scheduled(MemoryTierStore):
+    """An in-memory tier with work of its own due at ``due`` (``ScheduledWork``)."""
+
+    due: float | None = None
+
+    def next_poll_at(self) -> float | None:
+        return self.due
+
+
+def test_a_tiers_own_work_due_keeps_the_engine_stepping_and_says_when() -> None:
+    world = World(tiers=1)
+    tier = _Scheduled(world.host, capacity_bytes=1 << 16, name="sched")
+    manager = TieringManager(world.primary, [world.tiers[0], tier], host=world.host)
+    engine = OffloadEngine(manager)
+    assert engine.next_poll_at() is None
+    assert not engine.has_pending_work()
+    later = time.monotonic() + 60
+    tier.due = later
+    assert engine.next_poll_at() == later
+    assert not engine.has_pending_work()
+    tier.due = time.monotonic() - 1  # due (or in flight): step until the tier applies it
+    assert engine.has_pending_work()
+    tier.due = None
+    assert not engine.has_pending_work()
+    tier.due = later
+    engine.shutdown()
+    assert engine.next_poll_at() is None
+    assert not engine.has_pending_work()

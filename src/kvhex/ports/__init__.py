@@ -17,6 +17,7 @@ from kvhex.ports.tier_store import (
     Occupancy,
     PeerView,
     RequestAware,
+    ScheduledWork,
     TierStore,
 )
 from kvhex.ports.transfer import BlockTransfer
@@ -36,6 +37,7 @@ __all__ = [
     "PeerView",
     "RecordSealing",
     "RequestAware",
+    "ScheduledWork",
     "TenantRefusals",
     "TierHealth",
     "TierStore",

@@ -155,6 +155,24 @@ class PeerView(Protocol):
         ...
 
 
+@runtime_checkable
+class ScheduledWork(Protocol):
+    """Optional for a ``TierStore`` that does work of its own between the engine's jobs,
+    started and applied by ``poll`` (a peer view's scans of the shared storage, blocks a
+    server dropped): its events are announced only when the engine polls. An engine that
+    stops stepping while it has no request (vLLM's, when idle) asks when to poll again, so
+    that an idle server still announces and withdraws what this work finds on time."""
+
+    def next_poll_at(self) -> float | None:
+        """When ``poll`` next has work of the store's own to start or apply, on
+        ``time.monotonic``'s clock: a time already past while such work is due, in flight
+        or finished and not yet applied (poll again soon); ``None`` when none is scheduled
+        (closed, or nothing of its own to do). Called on the scheduler thread between
+        polls, and by an engine's idle timer on a thread of its own: plain reads, never IO
+        or a lock; never raises."""
+        ...
+
+
 def tier_identities(store: TierStore) -> tuple[TierIdentity, ...]:
     """Every identity ``store``'s events carry: its own, and a ``PeerView``'s other
     instances' one."""

@@ -257,8 +257,16 @@ class OffloadEngine:
         return self._has_tiers
 
     def has_pending_work(self) -> bool:
-        """Keep the engine stepping while True. False once shut down."""
+        """Keep the engine stepping while True: jobs in flight, step-end work queued, or a
+        tier's own work due (see ``next_poll_at``). False once shut down."""
         return not self._closed and self._manager.has_pending_work()
+
+    def next_poll_at(self) -> float | None:
+        """When a tier's own work (a peer view's scan, a server's drops) next wants a step
+        (``time.monotonic``; a time past: now), or ``None`` when none is scheduled or once
+        shut down: an engine that sleeps while it has no request wakes then, so an idle
+        server still announces what that work finds. Plain reads, from any thread."""
+        return None if self._closed else self._manager.next_poll_at()
 
     def reset(self) -> int:
         """Drain tiers and empty the host tier (persistent tiers keep their data). Returns

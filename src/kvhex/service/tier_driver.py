@@ -34,7 +34,7 @@ from kvhex.domain.keys import OffloadKey
 from kvhex.domain.request import ReqContext
 from kvhex.domain.tiers import LookupResult, TierIdentity
 from kvhex.ports.capabilities import TenantRefusals, TierHealth
-from kvhex.ports.tier_store import Indexed, Occupancy, RequestAware, TierStore
+from kvhex.ports.tier_store import Indexed, Occupancy, RequestAware, ScheduledWork, TierStore
 from kvhex.service.probes import ProbeCache
 from kvhex.service.stats import TierStats
 
@@ -68,6 +68,7 @@ class TierDriver:
         "_probe_ids",
         "_probes",
         "_refusals",
+        "_scheduled",
         "_stats",
         "_store",
         "get_cost",
@@ -88,6 +89,7 @@ class TierDriver:
         self._health = store if isinstance(store, TierHealth) else None
         self._refusals = store if isinstance(store, TenantRefusals) else None
         self._held_now = store.held_now if isinstance(store, Indexed) else None
+        self._scheduled = store.next_poll_at if isinstance(store, ScheduledWork) else None
         self.identity: TierIdentity = store.identity
         """The tier's identity (read-only; a plain attribute: lookups read it per key)."""
         self._stats = TierStats(name, self.identity.medium)
@@ -363,6 +365,13 @@ class TierDriver:
     def has_pending_work(self) -> bool:
         """True while jobs are in flight or keys wait for the next probe."""
         return bool(self._jobs) or self._probes.pending
+
+    def next_poll_at(self) -> float | None:
+        """When the store's own work next wants a poll (``time.monotonic``; a time past:
+        now), or ``None`` when it has none scheduled (:class:`ScheduledWork`). Plain reads:
+        callable from an engine's idle timer thread too."""
+        scheduled = self._scheduled
+        return None if scheduled is None else scheduled()
 
     # -- the store's events and lifecycle (the owner decides when) ------------------------
     def take_events(self) -> list[TierEvent]:

@@ -22,6 +22,7 @@ Threading: every method runs on the scheduler thread. Only ``reset`` and ``shutd
 from __future__ import annotations
 
 import functools
+import time
 from collections.abc import Callable, Sequence, Sized
 from typing import TYPE_CHECKING, Any
 
@@ -425,9 +426,25 @@ class TieringManager:
         return events
 
     def has_pending_work(self) -> bool:
-        """True while jobs are in flight or step-end work is queued (keep stepping)."""
+        """True while jobs are in flight, step-end work is queued, or a tier's own work
+        (``ScheduledWork``: a peer view's scan) is due or in flight (keep stepping)."""
         tiers = self._promotions.queued or any(t.driver.has_pending_work() for t in self._tiers)
-        return tiers or any(r.parked for r in self._requests.values())
+        if tiers or any(r.parked for r in self._requests.values()):
+            return True
+        due = self.next_poll_at()
+        return due is not None and due <= time.monotonic()
+
+    def next_poll_at(self) -> float | None:
+        """The earliest time (``time.monotonic``) a tier's own work wants a poll, or
+        ``None`` when no tier has any scheduled (see ``ScheduledWork``): an engine that
+        stops stepping while idle steps again then. Plain reads: callable from an idle
+        timer's thread."""
+        due = None
+        for tier in self._tiers:
+            at = tier.driver.next_poll_at()
+            if at is not None and (due is None or at < due):
+                due = at
+        return due
 
     def reset(self) -> int:
         """Drain every tier and apply the results, drop promotions not yet submitted, reset

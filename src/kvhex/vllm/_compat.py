@@ -245,3 +245,67 @@ def connector_configs(config: Any) -> tuple[VllmConfig, KVCacheConfig] | None:
             break
         frame = frame.f_back
     return None
+
+
+class EngineHooks:
+    """What kvhex's connector needs of the scheduler and engine core that built it, neither
+    of which vLLM hands a connector (both versions construct the connector inside
+    ``Scheduler.__init__``, itself inside ``EngineCore.__init__``; found on the stack at
+    construction, as :func:`connector_configs` finds the configs):
+
+    * ``device_generation()``: an object that changes each time the device's prefix cache
+      is reset. vLLM's ``BlockPool.reset_prefix_cache`` (both versions) replaces its
+      ``cached_block_hash_to_block`` map and queues ``AllBlocksCleared`` together, and the
+      scheduler publishes that event in the batch of the next ``update_from_output``, right
+      before it takes the connector's events; so the connector sees the new map in that very
+      ``take_events`` call. ``None`` before the cache manager exists or where it has no
+      block pool.
+    * ``wake()``: wake an engine core blocked waiting for requests, as vLLM's own shutdown
+      does (``EngineCoreRequestType.WAKEUP`` on its input queue, both versions): it then
+      asks ``Scheduler.has_requests``, which asks the connector's
+      ``has_pending_push_work``, and steps while that is True. A no-op in-process (vLLM's
+      ``LLM`` with ``VLLM_ENABLE_V1_MULTIPROCESSING=0``, whose caller steps the engine).
+      Safe from any thread (``queue.Queue``).
+    """
+
+    __slots__ = ("_input", "_scheduler", "can_wake")
+
+    def __init__(self, scheduler: Any, input_queue: Any) -> None:
+        self._scheduler = scheduler
+        self._input = input_queue
+        self.can_wake = input_queue is not None
+        """Whether an idle engine core can be woken (a process of its own)."""
+
+    @classmethod
+    def of_caller(cls) -> EngineHooks:
+        """The hooks of the scheduler and engine core constructing the caller (empty ones
+        where neither is on the stack, as in tests driving a connector alone)."""
+        from vllm.v1.core.sched.interface import SchedulerInterface
+        from vllm.v1.engine.core import EngineCore
+
+        scheduler = input_queue = None
+        frame = sys._getframe(1)
+        for _ in range(_CALLER_FRAMES):
+            owner = frame.f_locals.get("self")
+            if scheduler is None and isinstance(owner, SchedulerInterface):
+                scheduler = owner
+            elif isinstance(owner, EngineCore):
+                input_queue = getattr(owner, "input_queue", None)  # EngineCoreProc only
+                break
+            if frame.f_back is None:
+                break
+            frame = frame.f_back
+        return cls(scheduler, input_queue)
+
+    def device_generation(self) -> object | None:
+        """The device prefix cache's current map (a new object after each reset)."""
+        manager = getattr(self._scheduler, "kv_cache_manager", None)
+        pool = getattr(manager, "block_pool", None)
+        return getattr(pool, "cached_block_hash_to_block", None)
+
+    def wake(self) -> None:
+        """Wake the engine core if it waits for requests (see the class docstring)."""
+        if self._input is not None:
+            from vllm.v1.engine import EngineCoreRequestType
+
+            self._input.put_nowait((EngineCoreRequestType.WAKEUP, None))

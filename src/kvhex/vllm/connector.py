@@ -30,7 +30,14 @@ spec's manager is kvhex's:
   configured);
 * ``take_events``: the step's events come from kvhex's translator (full ``BlockStored`` for
   host stores, secondary-tier stores and promotions; per-key ``BlockRemoved`` on reset) as
-  vLLM's own ``kv_events`` structs, which vLLM's scheduler publishes with its publisher.
+  vLLM's own ``kv_events`` structs, which vLLM's scheduler publishes with its publisher. In
+  the step whose batch carries the device pool's ``AllBlocksCleared`` (a prefix-cache reset:
+  it names no medium, and routers forget every block of this publisher), every block kvhex
+  still holds is announced again, parent first (``take_kv_events(device_cleared=True)``);
+* ``has_pending_push_work``: an idle engine (no request) steps while kvhex has jobs in
+  flight (vLLM's own rule), while a tier's own work is due (a peer view's scan, a server's
+  drops), and once after a prefix-cache reset, so that what they change is announced on an
+  idle server too; an ``IdleWaker`` thread wakes the engine core when that work falls due.
 
 With any other spec it behaves exactly like ``OffloadingConnector``. Select it with
 ``kv_connector="KvhexOffloadingConnector"`` (registered by the ``vllm.general_plugins`` entry
@@ -49,8 +56,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import (
 )
 
 from kvhex.domain.geometry import CacheKind, KvGeometry, KvGroup
-from kvhex.vllm._compat import lookup_runs, manager_lock, quiet_events_tracker
+from kvhex.vllm._compat import EngineHooks, lookup_runs, manager_lock, quiet_events_tracker
 from kvhex.vllm._convert import context_of
+from kvhex.vllm.idle import IdleWaker
 from kvhex.vllm.manager import KvhexOffloadingManager
 
 PREFILL_MIN_TOKENS = 128
@@ -94,22 +102,28 @@ class KvhexOffloadingConnector(OffloadingConnector):
         self._step_began: tuple[float, int] | None = None  # (clock, tokens) of this step
         # request id -> (clock at its first lookup that found a load, promoted, its context)
         self._waits: dict[str, tuple[float, bool, Any]] = {}
+        self._hooks = EngineHooks(None, None)
+        self._device_generation: object | None = None  # the device cache's, last seen
+        self._stepped = time.monotonic()  # when build_connector_meta last ran
+        self._waker: IdleWaker | None = None
         scheduler = self.connector_scheduler
         if scheduler is not None and isinstance(scheduler.manager, KvhexOffloadingManager):
-            self._kvhex = scheduler.manager
+            self._kvhex = kvhex = scheduler.manager
             config = scheduler.config
-            self._kvhex.bind_geometry(
-                geometry_of_groups(config.kv_group_configs, config.tokens_per_hash)
-            )
+            kvhex.bind_geometry(geometry_of_groups(config.kv_group_configs, config.tokens_per_hash))
             # kvhex publishes its own events: vLLM's tracker must not snapshot payloads
             # that nothing would ever drop
             quiet_events_tracker(scheduler)
+            self._hooks = hooks = EngineHooks.of_caller()
+            if hooks.can_wake and kvhex.tier_stores:
+                self._waker = IdleWaker(kvhex.next_poll_at, self._last_step, hooks.wake)
 
     def build_connector_meta(self, scheduler_output: Any) -> Any:
         meta = super().build_connector_meta(scheduler_output)
         kvhex = self._kvhex
         if kvhex is None:
             return meta
+        self._stepped = time.monotonic()
         self._time_step(kvhex, scheduler_output)
         if self._waits:  # a load that reported no finish (a synchronous one) ends here
             self._end_waits(kvhex, (new.req_id for new in scheduler_output.scheduled_new_reqs))
@@ -216,5 +230,27 @@ class KvhexOffloadingConnector(OffloadingConnector):
         if self._kvhex is None:
             events: Iterable[KVCacheEvent] = super().take_events()
             return events
+        # the scheduler took the device pool's events just before: a reset since the last
+        # step put AllBlocksCleared among them (see EngineHooks.device_generation)
+        generation = self._hooks.device_generation()
+        cleared = self._device_generation is not None and generation is not self._device_generation
+        self._device_generation = generation
         with manager_lock(self._kvhex):
-            return self._kvhex.take_kv_events()
+            return self._kvhex.take_kv_events(device_cleared=cleared)
+
+    def has_pending_push_work(self) -> bool:
+        """vLLM's rule (transfers or kvhex's jobs in flight, which includes a tier's own
+        work due), and once after a reset of the device cache: kvhex then announces again
+        what it holds, in the step that publishes the reset's ``AllBlocksCleared``."""
+        if super().has_pending_push_work():
+            return True
+        known = self._device_generation
+        return known is not None and self._hooks.device_generation() is not known
+
+    def shutdown(self) -> None:
+        if self._waker is not None:
+            self._waker.stop()
+        super().shutdown()
+
+    def _last_step(self) -> float:
+        return self._stepped

@@ -42,6 +42,7 @@ from vllm.v1.kv_offload import base as vbase
 from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
 
 from kvhex.domain.geometry import KvGeometry
+from kvhex.domain.holdings import StreamHoldings
 from kvhex.domain.keys import OffloadKey
 from kvhex.domain.request import ReqContext
 from kvhex.domain.tiers import LookupResult, TierIdentity
@@ -112,6 +113,9 @@ class KvhexOffloadingManager(vbase.OffloadingManager):
         # schedule ends still to wait for, there being no flush signal
         self._promotions_held = False
         self._held_steps = 0
+        # what take_kv_events announced and did not take back: said again when the
+        # engine's device clear makes routers forget it
+        self._announced = StreamHoldings()
         # per request, when each key's lookups first deferred (RETRY), for the async delay
         self._deferred: dict[str, dict[OffloadKey, float]] = {}
         self._metrics = VllmMetrics(
@@ -288,18 +292,34 @@ class KvhexOffloadingManager(vbase.OffloadingManager):
     def has_pending_work(self) -> bool:
         return self._engine.has_pending_work()
 
+    def next_poll_at(self) -> float | None:
+        """When kvhex's tiers' own work next wants a step (``OffloadEngine.next_poll_at``):
+        what the connector's idle timer wakes an idle engine for. Plain reads, any thread."""
+        return self._engine.next_poll_at()
+
     def take_events(self) -> Iterable[vbase.OffloadingEvent]:
         """This step's raw events as vLLM ``OffloadingEvent``s, in kvhex's order (host tier
         first, then each tier); for vLLM's own events tracker."""
         raw = self._engine.take_raw_events(self._silent)
         return offloading_events(raw) if self._events_enabled else []
 
-    def take_kv_events(self) -> list[vev.KVCacheEvent]:
-        """This step's events translated by kvhex (full provenance), as vLLM's structs."""
+    def take_kv_events(self, *, device_cleared: bool = False) -> list[vev.KVCacheEvent]:
+        """This step's events translated by kvhex (full provenance), as vLLM's structs.
+
+        With ``device_cleared`` the engine's device pool published ``AllBlocksCleared`` in
+        this step's batch, ahead of these events: it names no medium, so routers forget
+        every block of this publisher, kvhex's host and tier copies included. Every block
+        kvhex announced and still holds (this step's changes applied) is then announced
+        again instead, parent first (``StreamHoldings``), however long ago it was stored.
+        """
         if not self._events_enabled:
             self._engine.take_raw_events()  # drained: nothing is announced
             return []
-        return vllm_events(self._engine.take_events(self._silent))
+        events = self._engine.take_events(self._silent)
+        announced = self._announced
+        if events:
+            announced.fold(events)
+        return vllm_events(announced.snapshot() if device_cleared else events)
 
     @property
     def promotions_held(self) -> bool:

@@ -133,6 +133,16 @@ class PeerScan:
         """Whether ``task`` is this view's scan."""
         return task is self._listing or task is self._reading
 
+    def next_at(self) -> float | None:
+        """When a poll next has work of this view's: the next scan's start, or ``-inf``
+        while a scan is in flight (its steps are applied by polls); ``None`` once closed
+        (see :class:`~kvhex.ports.tier_store.ScheduledWork`)."""
+        if self._closed:
+            return None
+        if self._listing is not None or self._reading is not None:
+            return -math.inf
+        return self._next_at
+
     def tick(self, now: float) -> None:
         """Start a scan if none is in flight and one is due at ``now`` (monotonic)."""
         idle = self._listing is None and self._reading is None

@@ -356,6 +356,14 @@ class BlockTierStore:
                 self.drop_lost([k for k in self.keys() if k not in listed])
         return results
 
+    def next_poll_at(self) -> float | None:
+        """With ``announce_peers``, when the peer view's next scan is due (or ``-inf``
+        while one is in flight); else ``None`` (:class:`~kvhex.ports.tier_store.ScheduledWork`:
+        an idle engine polls then, so the view stays on time)."""
+        if self._peers is None or self._closed:
+            return None
+        return self._peers.next_at()
+
     def delete(self, keys: Sequence[OffloadKey]) -> None:
         """Remove the readable ``keys`` (each once) and announce them; their blocks go on an
         IO thread."""

@@ -5,9 +5,11 @@ events; fsck passes blocks with records and names damaged ones."""
 
 from __future__ import annotations
 
+import math
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -19,6 +21,7 @@ from kvhex.adapters.storage.format import HEADER, HEADER_AREA, KeptRecord, kept_
 from kvhex.adapters.storage.fsspec import FsspecTierStore
 from kvhex.domain import Stored
 from kvhex.domain.provenance import MmFeature
+from kvhex.ports.tier_store import ScheduledWork
 from tests.adapters.storage.peer_kit import (
     Events,
     blocks,
@@ -308,3 +311,33 @@ def test_a_block_the_peer_view_saw_is_never_answered_missing(
     assert get(b, keys, [4, 5]).success
     a.close()
     b.close()
+
+
+def test_the_view_says_when_it_wants_a_poll(tmp_path: Path) -> None:
+    """``ScheduledWork``: a scan due or in flight is a time past (an idle engine steps
+    until it is applied), the next one the interval after; a closed view wants none, and a
+    tier without the view has no schedule at all."""
+    a = tier(tmp_path, "a")
+    b = tier(tmp_path, "b", announce_peers=True, interval=0.5)
+    assert isinstance(b, ScheduledWork)
+    assert a.next_poll_at() is None
+    due = b.next_poll_at()
+    assert due is not None
+    assert due <= time.monotonic()
+    on_b = Events(b)
+    on_b.take()
+    assert b.next_poll_at() == -math.inf  # the scan is in flight: poll until applied
+    on_b.until(lambda: b.peer_scans >= 1, "a first scan")
+    started = time.monotonic()
+    due = b.next_poll_at()
+    assert due is not None
+    assert started - 0.5 < due - 0.5 <= started
+    ctx, keys = request("r", 2)
+    assert put(a, keys, ctx).success
+    while time.monotonic() < due - 0.05:
+        b.poll()
+        assert b.take_events() == []  # nothing before the scan is due
+    on_b.until(lambda: on_b.held(b.peer_identity) == set(keys), "the next scan sees a's")
+    b.close()
+    assert b.next_poll_at() is None
+    a.close()

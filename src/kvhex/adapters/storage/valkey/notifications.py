@@ -148,6 +148,11 @@ class ServerDrops:
         with self._lock:
             return sorted(self._threads)
 
+    @property
+    def waiting(self) -> bool:
+        """(Any thread.) Whether drops or listings wait for :meth:`take`."""
+        return bool(self._queue)
+
     def take(self) -> tuple[list[OffloadKey], list[Listed]]:
         """(Scheduler thread.) The keys dropped since the last call, and the listings taken
         after reconnections since (the tier drops what they lack)."""

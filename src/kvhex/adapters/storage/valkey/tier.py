@@ -17,6 +17,7 @@ Who evicts is the ``eviction`` option:
 
 from __future__ import annotations
 
+import math
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal
@@ -225,6 +226,14 @@ class ValkeyTierStore(BlockTierStore):
         if self._drops is not None:
             self._apply_drops(*self._drops.take())
         return results
+
+    def next_poll_at(self) -> float | None:
+        """As :meth:`BlockTierStore.next_poll_at`; with ``eviction = "server"``, ``-inf``
+        while the server's drops wait to be applied (an idle engine then polls, and
+        announces them removed)."""
+        if self._drops is not None and not self._closed and self._drops.waiting:
+            return -math.inf
+        return super().next_poll_at()
 
     def close(self) -> None:
         """As :meth:`BlockTierStore.close`, the notification listeners stopped first."""
