@@ -132,8 +132,12 @@ class EventTranslator:
     def __init__(self, geometry: KvGeometry | None = None, *, int_hashes: bool = False) -> None:
         self.geometry = geometry
         self.int_hashes = int_hashes
-        self._hashes: dict[OffloadKey, list[ExternalHash]] = {}  # as published
-        self._resident: dict[Residency, dict[OffloadKey, None]] = {}
+        # each key's hashes as first published; per residency, the keys it holds, each with
+        # None (it published those hashes) or the hashes it published itself (a placeholder
+        # where another residency has the key in full, or the reverse): each copy is
+        # withdrawn with exactly the hashes it was announced with
+        self._hashes: dict[OffloadKey, list[ExternalHash]] = {}
+        self._resident: dict[Residency, dict[OffloadKey, list[ExternalHash] | None]] = {}
         self.full_stores = 0
         """Keys announced in full."""
         self.placeholder_stores = 0
@@ -213,8 +217,13 @@ class EventTranslator:
             n = len(run)
             per = len(hashes) // n
             for i, key in enumerate(run):
-                detached[key] = hashes[i * per : (i + 1) * per] if n > 1 else hashes
-                resident[key] = None
+                mine = hashes[i * per : (i + 1) * per] if n > 1 else hashes
+                known = detached.get(key)
+                if known is None:
+                    detached[key] = mine
+                    resident[key] = None
+                else:
+                    resident[key] = None if known == mine else mine
             self.full_stores += n
 
         for key, span in zip(event.keys, spans(event.ctx, event.keys), strict=True):
@@ -251,9 +260,14 @@ class EventTranslator:
                     chain = None
                 self._announce_placeholder(key, where, event, out)
                 continue
-            detached[key] = self._published(record.block_hashes)
+            mine = self._published(record.block_hashes)
+            known = detached.get(key)
+            if known is None:
+                detached[key] = mine
+                resident[key] = None
+            else:
+                resident[key] = None if known == mine else mine
             self.full_stores += 1
-            resident[key] = None
             if chain is not None and chain.continues(record):
                 chain.extend(record)
                 continue
@@ -307,10 +321,12 @@ class EventTranslator:
         self, key: OffloadKey, where: Residency, event: Stored, out: list[PublicEvent]
     ) -> None:
         medium, locality, ownership = where
-        out.append(self._placeholder(key, medium, locality, ownership, event))
-        self._hashes.setdefault(key, [self._ext(key[:-GROUP_IDX_BYTES])])
+        placeholder = self._placeholder(key, medium, locality, ownership, event)
+        out.append(placeholder)
+        mine = placeholder.block_hashes
+        known = self._hashes.setdefault(key, mine)
         self.placeholder_stores += 1
-        self._resident.setdefault(where, {})[key] = None
+        self._resident.setdefault(where, {})[key] = None if known == mine else mine
 
     def _placeholder(
         self,
@@ -353,10 +369,9 @@ class EventTranslator:
         by_group: dict[int, list[ExternalHash]] = {}
         hashes, ext = self._hashes, self._ext
         for key in keys:
-            detached = hashes.get(key) or [ext(key[:-GROUP_IDX_BYTES])]
+            published = resident.pop(key, None) or hashes.get(key) or [ext(key[:-GROUP_IDX_BYTES])]
             group = by_group.setdefault(int.from_bytes(key[-GROUP_IDX_BYTES:], "big"), [])
-            group.extend(detached)
-            resident.pop(key, None)
+            group.extend(published)
             maybe_gone.append(key)
         for group_idx, group_hashes in by_group.items():
             out.append(BlockRemoved(group_hashes, medium, group_idx, locality, ownership))

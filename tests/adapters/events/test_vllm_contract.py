@@ -499,7 +499,8 @@ class OwnedTiersMachine(ContractMachine):
 
 
 class PlaceholderMachine(ContractMachine):
-    # one hash per chunk: a placeholder names the hash a full store names (with two, see
+    # one hash per chunk: the machine's model of what the tiers hold names every hash of a
+    # held key, where a placeholder announces only the tail one (the two-hash case is
     # test_a_placeholder_copy_is_withdrawn_with_the_hashes_it_announced)
     hashes_per_chunk = 1
     placeholders = True
@@ -514,13 +515,6 @@ TestPlaceholders = PlaceholderMachine.TestCase
 TestPlaceholders.settings = FAST
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="kvhex.domain.translate keeps one list of published hashes per key for every "
-    "residency: a chunk announced in full elsewhere (two hashes) and as a placeholder here "
-    "(its tail hash) is withdrawn here with both hashes, one of which this residency never "
-    "held; the translator should keep the hashes each residency announced",
-)
 def test_a_placeholder_copy_is_withdrawn_with_the_hashes_it_announced() -> None:
     stack = Stack(2, owned=False, slots=4, tiers=((8, 1),))
     full = stack.request("full")
