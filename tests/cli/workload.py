@@ -20,14 +20,16 @@ CHUNKS = 2
 """Chunks per request: 10 chunks into a host tier of 4 slots, so the host tier evicts."""
 
 
-def serve(sinks: Sequence[EventSink]) -> Iterator[MemoryTierStore]:
+def serve(sinks: Sequence[EventSink], *, int_hashes: bool = False) -> Iterator[MemoryTierStore]:
     """Store every request's chunks (host tier, then a cascade to an in-memory tier named
     ``mem``), one step each, then reset the host tier; yields after each step so a test can
-    pace the publishing, and finally the secondary tier (which keeps every chunk)."""
+    pace the publishing, and finally the secondary tier (which keeps every chunk).
+    ``int_hashes``: publish hashes as ints (vLLM's default form), else as bytes."""
     host = MemoryHostBuffer(SLOTS, 32)
     tier = MemoryTierStore(host, capacity_bytes=64 * 32, name="mem", complete_after_polls=1)
     manager = TieringManager(PrimaryTier(SLOTS, LruPolicy(SLOTS)), [tier], host=host)
-    engine = OffloadEngine(manager, EventPipeline(EventTranslator(GEO), list(sinks)))
+    translator = EventTranslator(GEO, int_hashes=int_hashes)
+    engine = OffloadEngine(manager, EventPipeline(translator, list(sinks)))
     for r in range(REQUESTS):
         ctx = make_request(f"r{r}", list(range(100 * r, 100 * r + 4 * 2 * CHUNKS)), GEO)
         engine.on_new_request(ctx)

@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import structlog
 
 from kvhex.adapters.memory import MemoryHostBuffer
 from kvhex.bootstrap import build_tier
@@ -18,6 +19,7 @@ from kvhex.vllm.compose import (
     RegionHostBuffer,
     build_engine,
     build_tier_store,
+    check_router,
 )
 from kvhex.vllm.settings import parse_settings, parse_tier
 
@@ -481,3 +483,101 @@ def test_a_tier_entry_s_codec_chain_is_built_with_the_kv_dtype_and_refused_where
     with pytest.raises(ConfigError) as err:
         build_tier_store(obj, host, Registry.discover(), namespace)
     assert err.value.paths == ("$.secondary_tiers[0].kvhex.codec",)
+
+
+# -- kvhex.router: start-up warnings at the keys of the extra config ----------------------------
+def _router_warnings(
+    tmp_path: Path, kvhex: dict[str, Any], *, topic: str | None, int_hashes: bool
+) -> list[dict[str, Any]]:
+    """The ``router_config_mismatch`` entries logged for an engine of every kind of entry."""
+    settings = parse_settings(
+        {
+            "cpu_bytes_to_use": 4 * 4096,
+            "kvhex": kvhex,
+            "secondary_tiers": [
+                {
+                    "type": "fs",
+                    "root_dir": str(tmp_path / "fs"),
+                    "enable_kv_events": True,
+                    "kvhex": {"medium": "SHARED_STORAGE"},
+                },
+                {
+                    "type": "KvhexSecondaryTier",
+                    "tier": "memory",
+                    "capacity_bytes": 1 << 20,
+                    "enable_kv_events": True,
+                    "locality": "REMOTE",
+                    "medium": "CPU_PINNED",
+                },
+                {
+                    "type": "KvhexSecondaryTier",
+                    "tier": "memory",
+                    "capacity_bytes": 1 << 20,
+                    "enable_kv_events": True,
+                    "kvhex": {"announce_ownership": True},
+                },
+                {  # never announced: nothing of it reaches a router
+                    "type": "KvhexSecondaryTier",
+                    "tier": "memory",
+                    "capacity_bytes": 1 << 20,
+                    "medium": "SHARED_STORAGE",
+                },
+            ],
+        }
+    )
+    host = RegionHostBuffer(memoryview(bytearray(4 * 4096)), 4, 4096)
+    engine, stores = build_engine(
+        settings, host, registry=Registry.discover(), namespace={"model": "m"}, record_events=True
+    )
+    try:
+        with structlog.testing.capture_logs() as logs:
+            found = check_router(
+                settings, stores, int_hashes=int_hashes, topic=topic, block_sizes=[16]
+            )
+    finally:
+        engine.shutdown()
+    logged = [dict(e) for e in logs if e["event"] == "router_config_mismatch"]
+    assert [e["finding"] for e in logged] == [f.line() for f in found]  # one each
+    return logged
+
+
+def test_kvhex_router_warns_once_per_finding_at_the_extra_config_keys(tmp_path: Path) -> None:
+    dynamo = _router_warnings(
+        tmp_path, {"router": "dynamo", "router_block_size": 32}, topic="kv", int_hashes=False
+    )
+    assert [(e["key"], e["rule"], e["effect"]) for e in dynamo] == [
+        ("$.secondary_tiers[0].kvhex.medium", "medium", "drops"),
+        ("$.secondary_tiers[1].locality", "locality", "drops"),
+        ("$.secondary_tiers[2].kvhex.announce_ownership", "ownership", "drops"),
+        ("VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES", "hash_form", "drops"),
+        ("$.kvhex.router_block_size", "block_size", "drops"),
+    ]
+    assert all(e["source"] == "kv_connector_extra_config" for e in dynamo)
+    assert dynamo[3]["fix"] == "set VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES to 1"
+    router = _router_warnings(tmp_path, {"router": "vllm-router"}, topic="kv", int_hashes=False)
+    assert [(e["key"], e["rule"], e["effect"]) for e in router] == [
+        ("$.secondary_tiers[0].kvhex.medium", "medium", "miscredits"),
+        ("$.secondary_tiers[1].medium", "medium", "miscredits"),  # the tier's own option
+        ("$.secondary_tiers[2].kvhex.announce_ownership", "ownership", "miscredits"),
+        ("vLLM's kv_events_config.topic (--kv-events-config)", "topic", "drops"),
+    ]
+    assert router[3]["finding"] == (
+        "vllm-router 0.1.17 drops every event with ZMQ topic 'kv': it reads only the empty "
+        "topic (0.1.17 has no topic setting); fix: set vLLM's kv_events_config.topic "
+        '(--kv-events-config) to ""'
+    )
+
+
+def test_without_kvhex_router_nothing_is_checked(tmp_path: Path) -> None:
+    assert _router_warnings(tmp_path, {}, topic="kv", int_hashes=False) == []
+
+
+def test_the_router_keys_are_read_and_checked() -> None:
+    settings = parse_settings(
+        {"cpu_bytes_to_use": 4096, "kvhex": {"router": "dynamo", "router_block_size": 16}}
+    )
+    assert (settings.router, settings.router_block_size) == ("dynamo", 16)
+    assert _paths({"cpu_bytes_to_use": 4096, "kvhex": {"router": "sglang"}}) == ["$.kvhex.router"]
+    assert _paths({"cpu_bytes_to_use": 4096, "kvhex": {"router_block_size": 16}}) == [
+        "$.kvhex.router_block_size"
+    ]

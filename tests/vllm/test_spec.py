@@ -238,3 +238,109 @@ def test_an_unsupported_vllm_version_is_refused_naming_the_supported_ones() -> N
     for other in ("0.31.2", "0.34.0", "1.0", "dev"):
         with pytest.raises(ImportError, match=r"supports vLLM 0\.32 and 0\.33; vLLM .* is"):
             installed_version(other)
+
+
+# -- kvhex.router: start-up warnings read vLLM's own settings too ------------------------------
+def _router_logs(build: Any) -> list[dict[str, Any]]:
+    import structlog
+
+    with structlog.testing.capture_logs() as logs:
+        build()
+    return [e for e in logs if e["event"] == "router_config_mismatch"]
+
+
+@pytest.mark.parametrize(("events", "warned"), [(True, True), (False, False)])
+def test_kvhex_router_checks_vllms_block_size_when_the_manager_is_built(
+    managers: list[Any], events: bool, warned: bool
+) -> None:
+    """vllm-router reads block size 16 unless told: a 32-token block is dropped. With vLLM's
+    events off nothing is published, so nothing is checked. Offline (no connector) vLLM's
+    publisher topic is unknown and not checked."""
+    extra = {"cpu_bytes_to_use": 4 * PAGE, "kvhex": {"router": "vllm-router"}}
+    spec = KvhexOffloadingSpec(
+        offloading_config(extra, events=events, tokens_per_block=32, tokens_per_hash=32)
+    )
+    logged = _router_logs(lambda: managers.append(spec.get_manager()))
+    assert [(e["key"], e["rule"]) for e in logged] == (
+        [("$.kvhex.router_block_size", "block_size")] if warned else []
+    )
+    if warned:
+        assert logged[0]["finding"].startswith(
+            "vllm-router 0.1.17 drops stores with block_size 32: it reads block_size 16 only "
+            "(--kv-event-block-size default; $.kvhex.router_block_size not set)"
+        )
+    told = {**extra, "kvhex": {"router": "vllm-router", "router_block_size": 32}}
+    spec = KvhexOffloadingSpec(offloading_config(told, tokens_per_block=32, tokens_per_hash=32))
+    assert _router_logs(lambda: managers.append(spec.get_manager())) == []
+
+
+@pytest.mark.parametrize(
+    ("connector", "router", "expected"),
+    [
+        (  # kvhex's connector publishes the tier as it is
+            "KvhexOffloadingConnector",
+            "dynamo",
+            [
+                ("$.secondary_tiers[0].kvhex.medium", "medium"),
+                ("$.secondary_tiers[0].locality", "locality"),
+            ],
+        ),
+        # vLLM's own tracker names it STORAGE with no locality (kvhex warns that it does)
+        ("OffloadingConnector", "dynamo", []),
+        (
+            "KvhexOffloadingConnector",
+            "vllm-router",
+            [
+                ("$.secondary_tiers[0].kvhex.medium", "medium"),
+                ("vLLM's kv_events_config.topic (--kv-events-config)", "topic"),
+            ],
+        ),
+        (
+            "OffloadingConnector",
+            "vllm-router",
+            [("vLLM's kv_events_config.topic (--kv-events-config)", "topic")],
+        ),
+    ],
+)
+def test_kvhex_router_reads_vllms_topic_and_connector_from_the_engine(
+    tmp_path: Path, connector: str, router: str, expected: list[tuple[str, str]]
+) -> None:
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    from kvhex.vllm import register
+    from tests.vllm.scheduler import BLOCK, kv_cache_config, vllm_config
+
+    register()  # the connector's name (vLLM's general plugin, in a served vLLM)
+    extra = {
+        "spec_name": "KvhexOffloadingSpec",
+        "cpu_bytes_to_use": 1 << 20,
+        "kvhex": {"router": router, "router_block_size": BLOCK},
+        "secondary_tiers": [
+            {
+                "type": "fs",
+                "root_dir": str(tmp_path / "kv"),
+                "enable_kv_events": True,
+                "locality": "SHARED",
+                "kvhex": {"medium": "SHARED_STORAGE"},
+            }
+        ],
+    }
+    config = vllm_config(tmp_path / "model", extra, connector)
+    assert config.kv_events_config is not None
+    config.kv_events_config.topic = "kv"
+    built: list[Any] = []
+
+    def build() -> None:
+        built.append(
+            KVConnectorFactory.create_connector(
+                config, KVConnectorRole.SCHEDULER, kv_cache_config()
+            )
+        )
+
+    try:
+        logged = _router_logs(build)
+    finally:
+        for made in built:
+            made.shutdown()
+    assert [(e["key"], e["rule"]) for e in logged] == expected

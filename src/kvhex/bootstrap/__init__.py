@@ -27,6 +27,7 @@ from kvhex.bootstrap.entries import (
     plan_sink,
     plan_tier,
 )
+from kvhex.bootstrap.routers import config_findings, warn_router_mismatches
 from kvhex.config.model import KvhexConfig, LoadingConfig, PrimaryConfig, TierConfig
 from kvhex.domain.backpressure import AdmissionPolicy, AlwaysAdmit
 from kvhex.domain.cost import LoadMode, PrefillRate
@@ -230,7 +231,8 @@ def build_engine(
     kvhex's block ``namespace``, and its ``backpressure``), and the configured sinks. Every
     tier and sink is checked before anything is built (all problems in one ``ConfigError``),
     every sink is built before any tier, and everything built is closed again if a later
-    part fails.
+    part fails. With ``[events] router``, every setting whose events that router would drop
+    or miscredit is logged once built (``router_config_mismatch``, :mod:`.routers`).
 
     Args:
         source: the configuration's file, named by every ``ConfigError``.
@@ -272,6 +274,8 @@ def build_engine(
             loading=config.loading,
         )
         engine.set_geometry(geometry)  # load decisions count the tokens a chunk saves
+        findings = config_findings(config, [s.identity for s in stores], geometry)
+        warn_router_mismatches(findings, source=source)
         return engine, stores
     except BaseException:
         for built in sinks:

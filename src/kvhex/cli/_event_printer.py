@@ -115,7 +115,34 @@ class EventPrinter:
             lines.append("NOTHING RECEIVED: no verdict")
         else:
             lines.append("consistent")
+        if "router" in summary:
+            lines += _router_lines(summary["router"])
         self.out.write("\n".join(lines) + "\n")
+
+
+def _router_lines(router: dict[str, Any]) -> list[str]:
+    """``--router``'s section: what the router does with the events, one line per finding
+    with its count (drops and miscredits first), then its verdict."""
+    label = f"{router['router']} {router['version']}"
+    size = router["block_size"]
+    told = f"block size {size}, {router['block_size_from']}" if size else "no full store"
+    lines = [f"-- {label} ({told})"]
+    if router["topics"]:
+        topics = ", ".join(f"{t or '(empty)'} {n}" for t, n in router["topics"].items())
+        lines.append(f"ZMQ topics of live messages (events): {topics}")
+    if router["findings"]:
+        lines.append(" events  what the router does")
+    for row in router["findings"]:
+        late = "" if row["counted"] else " (joined at a later sequence: not counted)"
+        lines.append(f"{row['count']:>7}  {row['line']}{late}")
+    if router["verdict"] == "mismatch":
+        lines.append(
+            f"ROUTER MISMATCH: {label} would drop or miscredit {router['mismatched_events']} "
+            f"of {router['events']} events"
+        )
+    else:
+        lines.append(f"{label} reads all {router['events']} events")
+    return lines
 
 
 def _per_medium(counts: dict[str, int]) -> str:

@@ -12,8 +12,13 @@ after ``--count`` events or ``--duration`` seconds (or on Ctrl-C). A FILE (anyth
 ``://``) is a JSONL file kvhex's ``jsonl`` sink wrote, read whole the same way.
 
 Then it prints what a consumer replaying the stream ends up with (``kvhex.cli._ledger``).
-Exit status: 0 consistent, 1 inconsistent, 2 a bad flag, endpoint or file, 3 nothing received
-(no publisher within ``--duration``, or a publisher that sent nothing, or an empty file).
+With ``--router NAME`` it also prints, one line each with its count, everything that router
+would silently drop or miscredit (``kvhex.cli._router``: the ZMQ topic of each live message
+included), and what it credits at which weight.
+Exit status: 0 consistent (and, with ``--router``, nothing dropped or miscredited), 1
+inconsistent or something the router would drop or miscredit, 2 a bad flag, endpoint or file,
+3 nothing received (no publisher within ``--duration``, or a publisher that sent nothing, or
+an empty file).
 """
 
 from __future__ import annotations
@@ -23,11 +28,15 @@ import contextlib
 import os
 import sys
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvhex.adapters.events.endpoints import endpoint_problem, is_endpoint, refusal
 from kvhex.cli._args import EXIT_FAILED, EXIT_NOTHING, EXIT_OK, fail, positive
 from kvhex.cli._event_printer import EventPrinter
+from kvhex.domain.routers import PROFILES
+
+if TYPE_CHECKING:
+    from kvhex.cli._router import RouterCheck
 
 REPLAY_TIMEOUT_S = 5.0
 
@@ -54,7 +63,9 @@ def add_parser(
         "JSONL file kvhex wrote, print each event, and report at the end whether the stream "
         "is consistent: sequence gaps, removals of blocks never stored, duplicate stores, "
         "blocks stored before their parent, AllBlocksCleared, and the blocks each medium "
-        "holds. Exit 0 consistent, 1 inconsistent, 2 bad input, 3 nothing received.",
+        "holds; with --router, everything that router would drop or miscredit. Exit 0 "
+        "consistent, 1 inconsistent (or, with --router, something dropped or miscredited), "
+        "2 bad input, 3 nothing received.",
     )
     parser.add_argument(
         "endpoint",
@@ -95,6 +106,20 @@ def add_parser(
     parser.add_argument(
         "-q", "--quiet", action="store_true", help="print only the summary, not each event"
     )
+    parser.add_argument(
+        "--router",
+        choices=sorted(PROFILES),
+        help="also report everything this KV-aware router would silently drop or miscredit "
+        "(exit 1 when anything is), and what it credits: "
+        + "; ".join(f"{p.name} is {p.label}" for p in PROFILES.values()),
+    )
+    parser.add_argument(
+        "--router-block-size",
+        metavar="N",
+        type=positive(int),
+        help="the block size the router reads (vllm-router's --kv-event-block-size, default "
+        "16; the block_size Dynamo registered the worker with: default the stream's first)",
+    )
     return parser
 
 
@@ -120,6 +145,7 @@ class _Watch:
         self.deadline = time.monotonic() + args.duration if args.duration else None
         self.replay_timeout_ms = int((args.replay_timeout or REPLAY_TIMEOUT_S) * 1000)
         self.ledger = StreamLedger(expected_first=args.from_seq if dealer is not None else None)
+        self.router = _router_check(args)
         self.from_seq: int = args.from_seq
         self.seen = 0
         self.last: int | None = None
@@ -146,7 +172,7 @@ class _Watch:
             if len(frames) != 3 or len(frames[1]) != 8:
                 self.ledger.problems.append(f"a message of {len(frames)} frames, not 3")
                 continue
-            _, seq_bytes, payload = frames
+            topic, seq_bytes, payload = frames
             seq = int.from_bytes(seq_bytes, "big")
             if self.dealer is not None:
                 floor = self.from_seq - 1 if self.last is None else self.last
@@ -154,7 +180,7 @@ class _Watch:
                     continue  # already seen through a replay, or before --from-seq
                 if seq > floor + 1:  # missed: a slow subscription, or a dropped message
                     self.replay(floor + 1, seq)
-            self.handle(seq, payload, replayed=False)
+            self.handle(seq, payload, replayed=False, topic=topic)
 
     def watch_peer(self) -> None:
         """Note a connection made to or from the SUB socket (its monitor's events)."""
@@ -190,7 +216,10 @@ class _Watch:
                 continue
             self.handle(seq, payload, replayed=True)
 
-    def handle(self, seq: int, payload: bytes, *, replayed: bool) -> None:
+    def handle(
+        self, seq: int, payload: bytes, *, replayed: bool, topic: bytes | None = None
+    ) -> None:
+        """One batch: ``topic`` is its live message's (``None`` for a replayed one)."""
         import msgspec
 
         from kvhex.adapters.events.wire import decode_batch
@@ -203,12 +232,7 @@ class _Watch:
             self.printer.bad(seq, str(exc))
             return
         self.ledger.batch(seq)
-        for event in batch.events:
-            if self.count is not None and self.seen >= self.count:
-                break
-            self.ledger.event(event)
-            self.printer.event(seq, batch.ts, batch.data_parallel_rank, event, replayed)
-            self.seen += 1
+        self.seen += _take(self, seq, batch, replayed, topic)
         self.printer.out.flush()
 
 
@@ -239,6 +263,12 @@ def _check_flags(args: argparse.Namespace) -> str | None:
             f"{', '.join(zmq_only)}: apply to a ZMQ ENDPOINT, and {args.endpoint} is read "
             "as a JSONL FILE (an endpoint looks like tcp://HOST:PORT)"
         )
+    return _check_router_flags(args)
+
+
+def _check_router_flags(args: argparse.Namespace) -> str | None:
+    if args.router_block_size is not None and args.router is None:
+        return "--router-block-size: applies to --router, which is not given"
     return None
 
 
@@ -258,18 +288,22 @@ def _check_endpoints(args: argparse.Namespace) -> str | None:
     if args.replay is None and (args.from_seq or args.replay_timeout is not None):
         flag = "--from-seq" if args.from_seq else "--replay-timeout"
         return f"{flag}: applies to --replay, which is not given"
-    return None
+    return _check_router_flags(args)
 
 
 def _verdict(watch: _Watch | _FileWatch, what: str) -> int:
     """Print the summary; the exit status (and why on stderr when nothing was received)."""
     summary = watch.ledger.summary()
+    if watch.router is not None:
+        summary["router"] = watch.router.summary(joined_late=watch.ledger.joined_late)
     watch.printer.summary(summary)
     sys.stdout.flush()
     if summary["verdict"] == "inconsistent":
         return EXIT_FAILED
     if summary["verdict"] == "nothing received":
         return fail("events", what, EXIT_NOTHING)
+    if watch.router is not None and summary["router"]["verdict"] == "mismatch":
+        return EXIT_FAILED
     return EXIT_OK
 
 
@@ -283,6 +317,7 @@ class _FileWatch:
         self.printer = printer
         self.count: int | None = args.count
         self.ledger = StreamLedger(expected_first=0)
+        self.router = _router_check(args)
         self.seen = 0
 
     def run(self) -> None:
@@ -296,18 +331,38 @@ class _FileWatch:
                 self.printer.bad(seq, f"line {number}: {batch}")
                 continue
             self.ledger.batch(seq)
-            for event in batch.events:
-                if self.count is not None and self.seen >= self.count:
-                    break
-                self.ledger.event(event)
-                self.printer.event(seq, batch.ts, batch.data_parallel_rank, event, False)
-                self.seen += 1
+            self.seen += _take(self, seq, batch, False, None)
         self.printer.out.flush()
+
+
+def _router_check(args: argparse.Namespace) -> RouterCheck | None:
+    from kvhex.cli._router import RouterCheck
+
+    if args.router is None:
+        return None
+    return RouterCheck(PROFILES[args.router], args.router_block_size)
+
+
+def _take(
+    watch: _Watch | _FileWatch, seq: int, batch: Any, replayed: bool, topic: bytes | None
+) -> int:
+    """Feed a decoded batch's events (up to ``--count``) to the ledger, the printer and the
+    router check; how many were taken."""
+    events = batch.events
+    if watch.count is not None:
+        events = events[: max(0, watch.count - watch.seen)]
+    for event in events:
+        watch.ledger.event(event)
+        watch.printer.event(seq, batch.ts, batch.data_parallel_rank, event, replayed)
+    if watch.router is not None:
+        watch.router.batch(events, topic)
+    return len(events)
 
 
 def main(args: argparse.Namespace) -> int:
     """Watch the stream (or read the file), print it and its consistency; exit 0 consistent,
-    1 not, 2 bad input, 3 nothing received."""
+    1 not (or, with ``--router``, something that router drops or miscredits), 2 bad input,
+    3 nothing received."""
     problem = _check_flags(args)
     if problem is not None:
         return fail("events", problem)

@@ -20,6 +20,7 @@ import attrs
 
 from kvhex.domain.backpressure import EmaBackpressure
 from kvhex.domain.cost import LoadMode
+from kvhex.domain.routers import PROFILES
 from kvhex.domain.tiers import Locality
 from kvhex.errors import ConfigError, ConfigIssue
 
@@ -45,6 +46,10 @@ first)."""
 
 DeviceChoice = NewType("DeviceChoice", str)
 """Where ``kvhex run`` keeps its device KV cache: ``auto``, ``cpu`` or ``cuda``."""
+
+RouterName = NewType("RouterName", str)
+"""A KV-aware router kvhex knows (``kvhex.domain.routers.PROFILES``): ``dynamo``,
+``vllm-router``."""
 
 _DEVICES = ("auto", "cpu", "cuda")
 
@@ -101,6 +106,22 @@ def _device_choice(value: Any) -> DeviceChoice:
     if value not in _DEVICES:
         raise ValueError(f"must be one of {', '.join(_DEVICES)}, got {value!r}")
     return DeviceChoice(value)
+
+
+def _router_name(value: Any) -> RouterName:
+    if not isinstance(value, str):
+        raise TypeError(f"expected a string, got {type(value).__name__} {value!r}")
+    if value not in PROFILES:
+        known = ", ".join(repr(name) for name in sorted(PROFILES))
+        raise ValueError(f"must be a router kvhex knows ({known}), got {value!r}")
+    return RouterName(value)
+
+
+def check_router_block_size(router: str | None, block_size: int | None) -> str | None:
+    """Why ``router_block_size`` cannot be used with ``router`` (``None``: it can)."""
+    if block_size is not None and router is None:
+        return "router_block_size: applies with router, which is not set"
+    return None
 
 
 Options = NewType("Options", dict)  # type: ignore[type-arg]
@@ -161,6 +182,7 @@ CHECKS: dict[Any, Callable[[Any], Any]] = {
     TierName: check_tier_name,
     PluginName: _plugin_name,
     DeviceChoice: _device_choice,
+    RouterName: _router_name,
     Locality: _locality,
 }
 """Check function per constrained type; used by validators and structure hooks alike."""
@@ -480,9 +502,26 @@ class EventsConfig:
         int_block_hashes: publish block hashes as the low 64 bits of their big-endian value,
             as vLLM does by default (``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1``); Dynamo's
             indexer decodes no other form. ``false`` publishes the hashes' bytes.
+        router: the KV-aware router that reads these events (``dynamo``, ``vllm-router``):
+            at start-up, kvhex warns (``router_config_mismatch``) about every setting whose
+            events that router would drop or miscredit (docs/events.md).
+        router_block_size: the block size that router reads (vllm-router's
+            ``--kv-event-block-size``, Dynamo's registered ``block_size``); default: the
+            router's own default (vllm-router: 16; Dynamo has none, so it is not checked).
     """
 
     int_block_hashes: bool = True
+    router: RouterName | None = attrs.field(
+        default=None, validator=_validator(_optional(_router_name))
+    )
+    router_block_size: PositiveInt | None = attrs.field(
+        default=None, validator=_validator(_optional(_positive_int))
+    )
+
+    def __attrs_post_init__(self) -> None:
+        problem = check_router_block_size(self.router, self.router_block_size)
+        if problem is not None:
+            raise ValueError(problem)
 
 
 @attrs.frozen(kw_only=True)

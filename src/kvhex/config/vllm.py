@@ -29,9 +29,11 @@ from kvhex.config.model import (
     Options,
     PluginName,
     PositiveInt,
+    RouterName,
     TaggedUnion,
     TierName,
     Unsupported,
+    check_router_block_size,
     check_tier_name,
     duplicate_tier_names,
     empty_url,
@@ -71,12 +73,24 @@ class VllmEngineOptions:
             party's taking the same arguments); elsewhere vLLM's own worker copies.
         transfer_options: keyword arguments of that transfer's factory besides what the
             worker passes (the cells, the tensors, ``tensor_groups``, ``blocks_per_chunk``).
+        router: the KV-aware router reading this engine's events (``dynamo``,
+            ``vllm-router``), as TOML's ``[events] router``: kvhex warns at start-up about
+            every setting (its own, and vLLM's block size and event topic) whose events that
+            router would drop or miscredit.
+        router_block_size: the block size that router reads (default: its own default).
     """
 
     policy: PluginName | None = None
     loading: LoadingConfig = attrs.field(factory=LoadingConfig)
     transfer: PluginName = attrs.field(default=PluginName("torch"))
     transfer_options: Options = attrs.field(factory=lambda: Options({}))
+    router: RouterName | None = None
+    router_block_size: PositiveInt | None = None
+
+    def __attrs_post_init__(self) -> None:
+        problem = check_router_block_size(self.router, self.router_block_size)
+        if problem is not None:
+            raise ValueError(problem)
 
 
 @attrs.frozen(kw_only=True)

@@ -156,7 +156,9 @@ def vllm_locality(tier: TierIdentity) -> vbase.Locality | None:
     return member
 
 
-def _vmedium(tier: TierIdentity) -> vbase.Medium:
+def vllm_medium(tier: TierIdentity) -> vbase.Medium:
+    """The medium vLLM's events can say for ``tier``: ``CPU`` or ``STORAGE``, and
+    ``STORAGE`` for any other (warned once per medium)."""
     medium = _MEDIA.get(tier.medium.name)
     if medium is None:
         if tier.medium.name not in _unmapped_media:
@@ -186,7 +188,7 @@ def offloading_events(raw: Iterable[kev.TierEvent]) -> list[vbase.OffloadingEven
             last = tier
             if (described := _vtiers.get(tier)) is None:
                 described = _vtiers[tier] = (
-                    _vmedium(tier),
+                    vllm_medium(tier),
                     vllm_locality(tier),
                     tier != PRIMARY_IDENTITY,
                 )

@@ -8,16 +8,24 @@ in vLLM with no vLLM-specific code.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import structlog
 
 from kvhex.bootstrap import TierSpec, assemble_engine, build_policy, build_tier, tier_options
+from kvhex.bootstrap.routers import (
+    AnnouncedTier,
+    RouterTarget,
+    router_findings,
+    warn_router_mismatches,
+)
 from kvhex.config.vllm import SOURCE
 from kvhex.domain.backpressure import AdmissionPolicy, AlwaysAdmit
 from kvhex.domain.geometry import KvGeometry
 from kvhex.domain.primary import PrimaryTier
+from kvhex.domain.routers import Finding
+from kvhex.domain.tiers import TierIdentity
 from kvhex.domain.translate import EventTranslator
 from kvhex.errors import ConfigError
 from kvhex.plugins import Registry
@@ -176,3 +184,60 @@ def build_engine(
 
 def _admission(tier: TierSettings) -> Callable[[], AdmissionPolicy]:
     return AlwaysAdmit if tier.backpressure is None else tier.backpressure.policy
+
+
+INT_HASHES_VARIABLE = "VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES"
+"""vLLM's environment variable that decides the hash form of every event inside vLLM."""
+
+TOPIC_KEY = "vLLM's kv_events_config.topic (--kv-events-config)"
+"""Where vLLM's publisher is given its ZMQ topic."""
+
+
+def check_router(
+    settings: VllmSettings,
+    stores: Sequence[TierStore],
+    *,
+    int_hashes: bool,
+    topic: str | None,
+    block_sizes: Sequence[int],
+    published: Callable[[TierIdentity], TierIdentity] = lambda identity: identity,
+) -> list[Finding]:
+    """Log, and return, everything ``settings.router`` (``kvhex.router``) would drop or
+    miscredit of what this engine publishes: each announced tier (``enable_kv_events``) as
+    ``published`` says vLLM's events name it, the hash form (vLLM's variable), vLLM's
+    publisher topic (``None``: unknown here, not checked) and the engine's block sizes.
+    Empty without a router.
+
+    Args:
+        stores: the built tiers, in ``settings.tiers`` order.
+    """
+    if settings.router is None:
+        return []
+    tiers = []
+    for tier, store in zip(settings.tiers, stores, strict=True):
+        if not tier.enable_kv_events:
+            continue  # its events are never published: nothing to drop
+        identity = store.identity
+        if not tier.announce_ownership:
+            identity = TierIdentity(identity.medium, identity.locality, None)
+        tiers.append(
+            AnnouncedTier(
+                published(identity),
+                tier.paths.option("medium"),
+                tier.paths.option("locality"),
+                f"{tier.paths.entry}.kvhex.announce_ownership",
+            )
+        )
+    findings = router_findings(
+        RouterTarget.named(
+            settings.router, settings.router_block_size, "$.kvhex.router_block_size"
+        ),
+        tiers,
+        int_hashes=int_hashes,
+        int_hashes_key=INT_HASHES_VARIABLE,
+        int_hashes_value="1",
+        topics=[(topic, TOPIC_KEY)] if topic is not None else [],
+        block_sizes=block_sizes,
+    )
+    warn_router_mismatches(findings, source=SOURCE)
+    return findings

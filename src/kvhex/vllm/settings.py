@@ -65,6 +65,8 @@ class VllmSettings:
         loading: load or recompute (``$.kvhex.loading``).
         transfer, transfer_options: the CPU worker's ``kvhex.transfers`` entry point and
             its factory's options (``$.kvhex.transfer``, ``$.kvhex.transfer_options``).
+        router, router_block_size: the KV-aware router reading the events and the block
+            size it reads (``$.kvhex.router``, ``$.kvhex.router_block_size``).
     """
 
     cpu_bytes_to_use: int
@@ -76,6 +78,8 @@ class VllmSettings:
     loading: LoadingConfig = attrs.field(factory=LoadingConfig)
     transfer: str = "torch"
     transfer_options: Mapping[str, Any] = attrs.field(factory=dict)
+    router: str | None = None
+    router_block_size: int | None = None
 
 
 def parse_settings(extra: Mapping[str, Any]) -> VllmSettings:
@@ -99,6 +103,8 @@ def parse_settings(extra: Mapping[str, Any]) -> VllmSettings:
         loading=config.kvhex.loading,
         transfer=config.kvhex.transfer,
         transfer_options=dict(config.kvhex.transfer_options),
+        router=config.kvhex.router,
+        router_block_size=config.kvhex.router_block_size,
     )
 
 
@@ -137,6 +143,9 @@ def _tier(entry: VllmTierEntry, path: str, index: int) -> TierSettings:
         keys = {k: v for k, v in keys.items() if k not in options}  # the entry's own keys
         if entry.locality is not None:
             options["locality"] = entry.locality
+    keys["locality"] = f"{path}.locality"  # vLLM's key, on every entry
+    if entry.type != KVHEX_TIER_TYPE:
+        keys["medium"] = f"{kvhex}.medium"  # the only key that sets it there
     if entry.kvhex.capacity_bytes is not None:
         options["capacity_bytes"] = entry.kvhex.capacity_bytes
         keys["capacity_bytes"] = f"{kvhex}.capacity_bytes"

@@ -50,6 +50,7 @@ from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
 
 from kvhex.config.vllm import SOURCE
 from kvhex.domain.geometry import KvGeometry, KvGroup
+from kvhex.domain.tiers import Locality, Medium, TierIdentity
 from kvhex.errors import ConfigError
 from kvhex.plugins import TRANSFERS, Registry
 from kvhex.ports.tier_store import tier_identities
@@ -60,7 +61,8 @@ from kvhex.vllm._compat import (
     group_kind,
     hash_lookahead_tokens,
 )
-from kvhex.vllm.compose import RegionHostBuffer, build_engine
+from kvhex.vllm._convert import vllm_locality, vllm_medium
+from kvhex.vllm.compose import RegionHostBuffer, build_engine, check_router
 from kvhex.vllm.manager import KvhexOffloadingManager
 from kvhex.vllm.metrics import metric_definitions
 from kvhex.vllm.settings import VllmSettings, parse_settings
@@ -383,6 +385,8 @@ class KvhexOffloadingSpec(TieringOffloadingSpec):
         except BaseException:
             host.close()
             raise
+        if events:
+            self._check_router(stores, int_hashes=bool(envs.VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES))
         silent = [
             identity
             for store, tier in zip(stores, self.settings.tiers, strict=True)
@@ -405,6 +409,51 @@ class KvhexOffloadingSpec(TieringOffloadingSpec):
             host=host,
             store_threshold=self.settings.store_threshold,
         )
+
+    def _check_router(self, stores: list[Any], *, int_hashes: bool) -> None:
+        """Warn about what ``kvhex.router`` would drop or miscredit (``compose.check_router``),
+        reading vLLM's publisher topic and connector from the engine's ``VllmConfig`` where a
+        connector builds this spec: vLLM's stock connector publishes kvhex's tiers through
+        vLLM's events tracker, which names only ``CPU`` and ``STORAGE`` and no ``SHARED``
+        locality (``_convert``); kvhex's connector publishes them as they are."""
+        if self.settings.router is None:
+            return
+        topic: str | None = None
+        published = _as_published
+        found = connector_configs(self.config)
+        if found is not None:
+            vllm_config = found[0]
+            if vllm_config.kv_events_config is not None:
+                topic = vllm_config.kv_events_config.topic
+            transfer = vllm_config.kv_transfer_config
+            if transfer is not None and transfer.kv_connector != KVHEX_CONNECTOR:
+                published = _as_vllm_tracker_publishes
+        check_router(
+            self.settings,
+            stores,
+            int_hashes=int_hashes,
+            topic=topic,
+            block_sizes=[group.tokens_per_block for group in self.config.groups],
+            published=published,
+        )
+
+
+KVHEX_CONNECTOR = "KvhexOffloadingConnector"
+"""The ``kv_connector`` whose events kvhex's translator publishes (``kvhex.vllm.connector``)."""
+
+
+def _as_published(identity: TierIdentity) -> TierIdentity:
+    return identity
+
+
+def _as_vllm_tracker_publishes(identity: TierIdentity) -> TierIdentity:
+    """A tier's identity as vLLM's own events tracker names it (the stock connector)."""
+    locality = vllm_locality(identity)
+    return TierIdentity(
+        Medium(vllm_medium(identity).value),
+        Locality(locality.value) if locality is not None else None,
+        identity.ownership,
+    )
 
 
 def _check_transfer(name: str) -> None:
