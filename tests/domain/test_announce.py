@@ -89,6 +89,29 @@ def test_with_the_devices_own_events_an_orphan_goes_at_the_end_of_its_step() -> 
     assert ann.waiting(CPU) == frozenset()
 
 
+def test_a_child_of_a_parent_the_device_evicted_waits_until_someone_holds_it() -> None:
+    """A promotion or cascade that finishes after the device evicted the parent: the child
+    goes out only once the device holds the parent again, or a tier announced it; a child
+    its tier drops meanwhile never goes."""
+    ctx, keys = request(4, device_events=True)
+    on_device: set[OffloadKey] = set()
+    ann = Announcer()
+    ann.see_device(on_device.__contains__)
+    assert stores(ann.order([Stored((keys[1],), CPU, ctx)])) == []
+    assert ann.waiting(CPU) == {keys[1]}
+    assert stores(ann.order([])) == []  # step after step, while the device lacks keys[0]
+    on_device.add(keys[0])  # the device computed the parent again (and announced it)
+    assert stores(ann.order([])) == [(CPU, (keys[1],))]
+    on_device.clear()
+    assert stores(ann.order([Stored((keys[3],), FILES, ctx)])) == []  # keys[2]: nowhere
+    assert ann.waiting(FILES) == {keys[3]}
+    assert stores(ann.order([Removed((keys[3],), FILES)])) == []  # dropped while it waited
+    assert ann.waiting(FILES) == frozenset()
+    # keys[1] is announced on CPU: its child goes at once, whatever the device holds
+    assert stores(ann.order([Stored((keys[2],), FILES, ctx)])) == [(FILES, (keys[2],))]
+    assert ann.waiting(FILES) == frozenset()
+
+
 def test_tiers_announced_under_one_identity_are_one_residency() -> None:
     ctx, keys = request(2)
     ann = Announcer({FILES: ANON, MORE: ANON})

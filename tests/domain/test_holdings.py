@@ -77,6 +77,14 @@ def test_the_snapshot_stands_for_the_stream_parents_first(
         seen.update(event.block_hashes)  # type: ignore[arg-type]
         # each block keeps its own tokens, whatever run it was cut into
         assert event.token_ids == [t for h in event.block_hashes for t in (h, h + 1000)]  # type: ignore[operator]
+    # without orphans: exactly the runs whose parents all went out before them
+    rooted, out = holdings.snapshot(orphans=False), set()
+    for event in snapshot:
+        if event.parent_block_hash is None or event.parent_block_hash in out:
+            out.update(event.block_hashes)  # type: ignore[arg-type]
+    assert [h for e in rooted for h in e.block_hashes] == [
+        h for e in snapshot for h in e.block_hashes if h in out
+    ]
 
 
 def test_a_block_stored_twice_and_removed_once_is_gone_as_a_set_consumer_sees_it() -> None:
@@ -88,3 +96,21 @@ def test_a_block_stored_twice_and_removed_once_is_gone_as_a_set_consumer_sees_it
     holdings.clear()
     assert len(holdings) == 0
     assert holdings.snapshot() == []
+
+
+def test_without_orphans_a_run_whose_parent_is_gone_is_left_out_with_its_children() -> None:
+    holdings = StreamHoldings()
+    holdings.fold([stored("CPU", [1, 2, 3], None), stored("STORAGE", [5, 6], 4)])
+    holdings.fold([BlockRemoved([2], "CPU")])  # 3's parent is gone; 5's (4) was never here
+    assert [e.block_hashes for e in holdings.snapshot()] == [[1], [3], [5, 6]]
+    assert [e.block_hashes for e in holdings.snapshot(orphans=False)] == [[1]]
+
+
+def test_the_removal_of_a_block_left_out_is_unsaid_until_it_is_stored_again() -> None:
+    holdings = StreamHoldings()
+    holdings.fold([stored("CPU", [1], None), stored("CPU", [5, 6], 4)])
+    assert [e.block_hashes for e in holdings.snapshot(orphans=False)] == [[1]]
+    later = holdings.unsaid([BlockRemoved([1, 5], "CPU"), stored("CPU", [6], 1)])
+    assert later == [BlockRemoved([1], "CPU"), stored("CPU", [6], 1)]
+    holdings.fold(later)
+    assert holdings.unsaid([BlockRemoved([6], "CPU")]) == [BlockRemoved([6], "CPU")]

@@ -17,7 +17,10 @@ turns them into the stream that is announced:
   placeholder). A key whose parent is not announced waits, across steps if need be, and goes
   out right after its parent; a key a tier removes while it waits is never announced. With
   :attr:`Provenance.device_events` the engine announces the request's blocks on its device
-  itself, first: a chunk whose parent no tier announced goes out at the end of its step.
+  itself, first: a chunk whose parent no tier announced goes out at the end of its step,
+  where the device holds that parent (:meth:`Announcer.see_device`: a store of a running
+  request's blocks; not a cascade or promotion finishing after the device evicted the
+  parent, which waits, across steps, until the device or a tier holds the parent again).
 * **Runs.** A raw ``Stored``'s keys leave as runs, each a chain of chunks in order (each
   key's parent the key before it): the translator announces each run as one ``BlockStored``
   (hashes in order, the parent of the first), as vLLM announces a request's GPU blocks.
@@ -32,7 +35,7 @@ Scheduler thread only; no IO, no clock.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from itertools import pairwise
 from typing import cast
 
@@ -106,6 +109,7 @@ class Announcer:
     __slots__ = (
         "_announced",
         "_device",
+        "_device_holds",
         "_exact",
         "_held",
         "_holders",
@@ -126,7 +130,8 @@ class Announcer:
         self._holders: dict[TierIdentity, dict[OffloadKey, int]] = {}  # public -> key -> tiers
         self._waiting: dict[OffloadKey, list[_Held]] = {}  # parent -> keys waiting for it
         self._held: dict[TierIdentity, dict[OffloadKey, _Held]] = {}  # per tier: waiting keys
-        self._device: list[_Held] = []  # keys waiting this step whose parent is the device's
+        self._device: list[_Held] = []  # keys waiting whose parent is the device's
+        self._device_holds: Callable[[OffloadKey], bool] | None = None
         self._sharing: dict[TierIdentity, set[TierIdentity]] = {}  # public -> tiers seen
         # tiers seen alone under their public identity: the keys each announced, that
         # identity, and whether the tier is exact and announced as itself (one dict lookup on
@@ -134,6 +139,13 @@ class Announcer:
         self._solo: dict[TierIdentity, _Solo] = {}
         for tier, public in self._publish_as.items():
             self._sharing.setdefault(public, set()).add(tier)
+
+    def see_device(self, holds: Callable[[OffloadKey], bool] | None) -> None:
+        """Ask ``holds(parent)`` whether the engine's device holds a parent before a key
+        waiting for it goes out as the device's child (``None``: assume it does, as when
+        nothing can tell). The engine's scheduler thread calls it, at the end of each step
+        with keys waiting; it must be a dict read."""
+        self._device_holds = holds
 
     # -- queries -------------------------------------------------------------------------
     def public(self, tier: TierIdentity) -> TierIdentity:
@@ -183,14 +195,24 @@ class Announcer:
                 for held in list(self._held.get(event.tier, {}).values()):
                     self._unhold(held)
         if self._device:
-            # the engine's device announced these keys' parents before this step's events
-            device, self._device = self._device, []
-            waiting = {(h.tier, h.key): h for h in device if self._is_held(h)}
-            for held in waiting.values():
-                if (held.tier, held.parent) not in waiting and self._is_held(held):
-                    self._unhold(held)
-                    self._emit(self._chain_from(held), out)
+            self._release_device_children(out)
         return out
+
+    def _release_device_children(self, out: list[TierEvent]) -> None:
+        """The keys waiting for a parent of the device's go out where the device holds it
+        (its events, published before this step's, announced it); the others wait on. A key
+        whose parent waits too goes out with it."""
+        device, self._device = self._device, []
+        holds = self._device_holds
+        waiting = {(h.tier, h.key): h for h in device if self._is_held(h)}
+        for held in waiting.values():
+            if (held.tier, held.parent) in waiting or not self._is_held(held):
+                continue
+            if holds is not None and not holds(held.parent):
+                self._device.append(held)  # gone from the device: wait for a holder
+                continue
+            self._unhold(held)
+            self._emit(self._chain_from(held), out)
 
     # -- stores --------------------------------------------------------------------------
     def _stored(self, event: Stored, out: list[TierEvent]) -> None:

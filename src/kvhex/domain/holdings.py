@@ -52,12 +52,15 @@ class _Kept:
 class StreamHoldings:
     """The blocks a stream's events still announce (see the module docstring)."""
 
-    __slots__ = ("_ids", "_kept", "_where")
+    __slots__ = ("_ids", "_kept", "_where", "withheld")
 
     def __init__(self) -> None:
         self._ids = itertools.count()
         self._kept: dict[int, _Kept] = {}  # in fold order
         self._where: dict[_Block, tuple[int, int]] = {}  # block -> (kept id, index)
+        self.withheld: set[_Block] = set()
+        """Blocks a snapshot without orphans left out: consumers do not know them (see
+        :meth:`unsaid`)."""
 
     def __len__(self) -> int:
         """Blocks held, counted once per residency."""
@@ -90,16 +93,45 @@ class StreamHoldings:
             elif kind is AllBlocksCleared:
                 self.clear()
 
+    def unsaid(self, events: list[PublicEvent]) -> list[PublicEvent]:
+        """``events`` less the removals of :attr:`withheld` blocks, which consumers never
+        heard of again (a store of one says it again). Called before :meth:`fold`."""
+        withheld = self.withheld
+        out: list[PublicEvent] = []
+        for event in events:
+            if type(event) is BlockRemoved:
+                removed: BlockRemoved = event
+                where = (removed.medium, removed.locality, removed.ownership, removed.group_idx)
+                gone = {(*where, h) for h in removed.block_hashes} & withheld
+                if gone:
+                    withheld -= gone
+                    kept = [h for h in removed.block_hashes if (*where, h) not in gone]
+                    if kept:
+                        out.append(removed._replace(block_hashes=kept))
+                    continue
+            elif type(event) is BlockStored:
+                stored: BlockStored = event
+                where = (stored.medium, stored.locality, stored.ownership, stored.group_idx)
+                withheld.difference_update((*where, h) for h in stored.block_hashes)
+            elif type(event) is AllBlocksCleared:
+                withheld.clear()
+            out.append(event)
+        return out
+
     def clear(self) -> None:
         """Forget everything (as a consumer does at ``AllBlocksCleared``)."""
         self._kept.clear()
         self._where.clear()
+        self.withheld.clear()
 
-    def snapshot(self) -> list[BlockStored]:
+    def snapshot(self, *, orphans: bool = True) -> list[BlockStored]:
         """The live blocks as store events: each kept event's live runs, in fold order, but
         a run whose parent is live and not out yet waits for it (a parent stored again after
         its child). A run whose parent nothing here holds (a block of another publisher, or
-        of the engine's device) goes out in fold order."""
+        of the engine's device) goes out in fold order, unless ``orphans`` is false: then it
+        is left out, with the runs under it (a radix-tree index would drop them: after a
+        device clear, a block whose parent only the device held has no parent left), and
+        its blocks are :attr:`withheld` from then on (their removals unsaid)."""
         runs: list[tuple[BlockStored, ExternalHash | None]] = []
         for kept in self._kept.values():
             runs += _live_runs(kept)
@@ -110,15 +142,26 @@ class StreamHoldings:
         work: deque[tuple[BlockStored, ExternalHash | None]] = deque(runs)
         while work:
             event, parent = work.popleft()
-            if parent is not None and parent in live_hashes and parent not in emitted:
-                waiting.setdefault(parent, []).append((event, parent))
-                continue
+            if parent is not None and parent not in emitted:
+                if parent in live_hashes:  # its parent is not out yet
+                    waiting.setdefault(parent, []).append((event, parent))
+                    continue
+                if not orphans:  # no parent here: left out, and what waits for it
+                    continue
             out.append(event)
             for h in event.block_hashes:
                 emitted.add(h)
                 work.extendleft(reversed(waiting.pop(h, [])))
-        for stuck in waiting.values():  # a cycle of hashes cannot happen; never lose one
-            out += [event for event, _ in stuck]
+        if orphans:
+            for stuck in waiting.values():  # a cycle of hashes cannot happen; never lose one
+                out += [event for event, _ in stuck]
+        else:
+            said = {
+                (e.medium, e.locality, e.ownership, e.group_idx, h)
+                for e in out
+                for h in e.block_hashes
+            }
+            self.withheld = set(self._where).difference(said)
         return out
 
     def _drop(self, kid: int, index: int) -> None:

@@ -260,6 +260,14 @@ class EngineHooks:
       before it takes the connector's events; so the connector sees the new map in that very
       ``take_events`` call. ``None`` before the cache manager exists or where it has no
       block pool.
+    * ``device_holds(key)``: whether the device's prefix cache holds the block of offload
+      key ``key`` now. Both versions key that cache (``BlockPool.cached_block_hash_to_block``)
+      by the block hash followed by the KV-cache group as 4 big-endian bytes, and an offload
+      key is the chunk's last block hash followed by its group the same way (the offloading
+      scheduler's group index is the KV-cache group's): equal bytes, one dict read. Where a
+      group hashes at another size than its blocks the bytes differ and it answers ``False``
+      (kvhex then waits for a tier to hold the parent: fewer blocks announced, never one
+      without its parent).
     * ``wake()``: wake an engine core blocked waiting for requests, as vLLM's own shutdown
       does (``EngineCoreRequestType.WAKEUP`` on its input queue, both versions): it then
       asks ``Scheduler.has_requests``, which asks the connector's
@@ -268,13 +276,15 @@ class EngineHooks:
       Safe from any thread (``queue.Queue``).
     """
 
-    __slots__ = ("_input", "_scheduler", "can_wake")
+    __slots__ = ("_input", "_scheduler", "can_wake", "has_device")
 
     def __init__(self, scheduler: Any, input_queue: Any) -> None:
         self._scheduler = scheduler
         self._input = input_queue
         self.can_wake = input_queue is not None
         """Whether an idle engine core can be woken (a process of its own)."""
+        self.has_device = scheduler is not None
+        """Whether the device's prefix cache can be asked (the scheduler was found)."""
 
     @classmethod
     def of_caller(cls) -> EngineHooks:
@@ -302,6 +312,11 @@ class EngineHooks:
         manager = getattr(self._scheduler, "kv_cache_manager", None)
         pool = getattr(manager, "block_pool", None)
         return getattr(pool, "cached_block_hash_to_block", None)
+
+    def device_holds(self, key: bytes) -> bool:
+        """Whether the device's prefix cache holds the block of offload key ``key``."""
+        cache = self.device_generation()
+        return cache is not None and cache.get_one_block(key) is not None  # type: ignore[attr-defined]
 
     def wake(self) -> None:
         """Wake the engine core if it waits for requests (see the class docstring)."""

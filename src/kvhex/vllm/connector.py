@@ -115,6 +115,10 @@ class KvhexOffloadingConnector(OffloadingConnector):
             # that nothing would ever drop
             quiet_events_tracker(scheduler)
             self._hooks = hooks = EngineHooks.of_caller()
+            if hooks.has_device:
+                # a key waiting for a parent of the device's goes out only while the device
+                # holds it (a promotion or cascade may finish after the device evicted it)
+                kvhex.engine.announcer.see_device(hooks.device_holds)
             if hooks.can_wake and kvhex.tier_stores:
                 self._waker = IdleWaker(kvhex.next_poll_at, self._last_step, hooks.wake)
 

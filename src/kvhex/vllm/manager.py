@@ -310,7 +310,9 @@ class KvhexOffloadingManager(vbase.OffloadingManager):
         this step's batch, ahead of these events: it names no medium, so routers forget
         every block of this publisher, kvhex's host and tier copies included. Every block
         kvhex announced and still holds (this step's changes applied) is then announced
-        again instead, parent first (``StreamHoldings``), however long ago it was stored.
+        again instead, parent first (``StreamHoldings``), however long ago it was stored;
+        a block none of whose ancestors kvhex holds (its parent was the device's) is left
+        out, as a radix-tree index would drop it, and so is its removal later.
         """
         if not self._events_enabled:
             self._engine.take_raw_events()  # drained: nothing is announced
@@ -318,8 +320,11 @@ class KvhexOffloadingManager(vbase.OffloadingManager):
         events = self._engine.take_events(self._silent)
         announced = self._announced
         if events:
+            if announced.withheld:  # consumers never heard of these again: no removal
+                events = announced.unsaid(events)
             announced.fold(events)
-        return vllm_events(announced.snapshot() if device_cleared else events)
+        # after the clear a block whose parent only the device held has none: left out
+        return vllm_events(announced.snapshot(orphans=False) if device_cleared else events)
 
     @property
     def promotions_held(self) -> bool:
