@@ -2,14 +2,18 @@
 them, announced under the tier's ``peer_identity`` so that a router credits this instance
 with every block it can load (:class:`~kvhex.ports.tier_store.PeerView`).
 
-Every ``interval_s`` (looked at when the tier is polled) one scan runs, on the tier's IO
-threads, in two steps; never two scans at once:
+Every ``interval_s`` one scan runs, in two steps; never two scans at once:
 
-1. **List** (:meth:`PeerListing.peer_keys`): the keys other instances hold now, diffed
-   against the previous scan's.
-2. **Read** (:meth:`RecordReading.read_records`): the record of each new key, from its
-   block's header. New keys are announced ``Stored(keys, peer_identity, None, records)``,
-   parents first; a key without a record as a placeholder.
+1. **List** (:meth:`PeerListing.peer_keys`), on a thread of the view's own: the keys other
+   instances hold now, diffed against the previous scan's. A listing that changed nothing
+   ends the scan there, and the engine hears nothing of it: an idle engine is not stepped
+   (woken) for a scan that found nothing (vLLM's worker spins for a second after each step).
+   One that changed something waits for the tier's next poll (``next_poll_at`` says one is
+   due), which applies it.
+2. **Read** (:meth:`RecordReading.read_records`), on the tier's IO threads: the record of
+   each new key, from its block's header. New keys are announced
+   ``Stored(keys, peer_identity, None, records)``, parents first; a key without a record as a
+   placeholder.
 
 Between the two, on the scheduler thread, keys gone since the previous scan are announced
 ``Removed``, and on storage where no block belongs to one instance (object stores), keys
@@ -17,14 +21,16 @@ this instance holds itself are left out (its own events announce them). A key th
 this instance found missing or corrupt leaves the view at once (announced ``Removed``) and
 comes back only once it was gone from a scan. After ``close`` nothing more is announced.
 
-Threads: everything here runs on the scheduler thread but the two IO steps, which touch
-nothing of it while they run (the previous listing they diff against is replaced only once
-they are done).
+Threads: everything here runs on the scheduler thread but the two IO steps. The lister
+diffs against the last applied listing under the view's lock, which the scheduler thread also
+takes where it changes that listing; a read touches nothing of the view while it runs.
 """
 
 from __future__ import annotations
 
 import math
+import threading
+import time
 from collections.abc import Callable, Iterable
 from typing import Any, Protocol
 
@@ -82,27 +88,10 @@ class PeerScan:
     Args:
         io: the tier's data path (both :class:`PeerListing` and :class:`RecordReading`).
         identity: the tier's peer identity.
-        interval_s: seconds from the start of one scan to the start of the next.
-        pool: the tier's IO threads.
+        interval_s: seconds from the start of one listing to the start of the next.
+        pool: the tier's IO threads (the second step's reads run there).
         tier: the tier's name, for logs.
     """
-
-    __slots__ = (
-        "_asked",
-        "_bad",
-        "_closed",
-        "_interval",
-        "_io",
-        "_listed",
-        "_listing",
-        "_next_at",
-        "_pool",
-        "_reading",
-        "_tier",
-        "_view",
-        "identity",
-        "scans",
-    )
 
     def __init__(
         self, io: PeerIo, identity: TierIdentity, interval_s: float, pool: IoPool, *, tier: str
@@ -112,16 +101,19 @@ class PeerScan:
         self._interval = interval_s
         self._pool = pool
         self._tier = tier
-        self._listing: IoTask[_Listed] | None = None  # step 1 in flight
+        self._lock = threading.Lock()  # _listed, _news and scans, shared with the lister
+        self._news: _Listed | BaseException | None = None  # a listing that changed something
         self._reading: IoTask[_Found] | None = None  # step 2 in flight
-        self._next_at = -math.inf  # the first poll scans
-        self._listed: set[OffloadKey] = set()  # what the last listing found
+        self._listed: set[OffloadKey] = set()  # what the last applied listing found
         self._view: set[OffloadKey] = set()  # announced under the identity
         self._bad: set[OffloadKey] = set()  # found missing or corrupt, still listed
         self._asked: list[OffloadKey] = []  # keys step 2 reads
         self._closed = False
+        self._stop = threading.Event()
         self.scans = 0
-        """Scans done (their events appended), failed ones included."""
+        """Scans done (listings that changed nothing, and applied ones), failed included."""
+        self._lister = threading.Thread(target=self._list_loop, name=f"{tier}_peers", daemon=True)
+        self._lister.start()
 
     def __contains__(self, key: object) -> bool:
         return key in self._view
@@ -129,26 +121,61 @@ class PeerScan:
     def __len__(self) -> int:
         return len(self._view)
 
-    def owns(self, task: object) -> bool:
-        """Whether ``task`` is this view's scan."""
-        return task is self._listing or task is self._reading
+    # -- the lister's thread ---------------------------------------------------------------
+    def _list_loop(self) -> None:
+        """List every interval; park a listing that changed something (or failed) until the
+        scheduler thread applied it, and count one that changed nothing right away."""
+        stop, interval = self._stop, self._interval
+        next_at = time.monotonic()
+        while not stop.wait(max(0.0, next_at - time.monotonic())):
+            next_at = max(next_at + interval, time.monotonic())
+            with self._lock:
+                busy = self._news is not None or self._reading is not None
+            if busy:  # the last news is not applied yet: list again once it is
+                next_at = time.monotonic() + min(interval, 0.05)
+                continue
+            try:
+                listed: _Listed | BaseException = _diff(self._io.peer_keys(), self)
+            except BaseException as exc:
+                listed = exc
+            with self._lock:
+                if isinstance(listed, tuple) and not listed[1] and not listed[2]:
+                    self.scans += 1  # nothing changed: no step of the engine needed
+                else:
+                    self._news = listed
 
+    # -- the scheduler thread --------------------------------------------------------------
     def next_at(self) -> float | None:
-        """When a poll next has work of this view's: the next scan's start, or ``-inf``
-        while a scan is in flight (its steps are applied by polls); ``None`` once closed
-        (see :class:`~kvhex.ports.tier_store.ScheduledWork`)."""
+        """``-inf`` while a listing waits to be applied or a read is in flight (a poll
+        announces them), else ``None``: the lister lists on its own and says when it finds
+        something (see :class:`~kvhex.ports.tier_store.ScheduledWork`). Plain reads."""
         if self._closed:
             return None
-        if self._listing is not None or self._reading is not None:
+        if self._news is not None or self._reading is not None:
             return -math.inf
-        return self._next_at
+        return None
 
-    def tick(self, now: float) -> None:
-        """Start a scan if none is in flight and one is due at ``now`` (monotonic)."""
-        idle = self._listing is None and self._reading is None
-        if idle and now >= self._next_at and not self._closed:
-            self._next_at = now + self._interval
-            self._listing = self._pool.submit(_list, self._io, self._listed)
+    def owns(self, task: object) -> bool:
+        """Whether ``task`` is this view's read."""
+        return task is self._reading
+
+    def apply(self, own: Callable[[OffloadKey], bool] | None, events: list[TierEvent]) -> None:
+        """Apply a listing the lister parked (announcing what it found gone, and starting
+        the read of what it found new), appending the events to ``events``; ``own`` says
+        which keys this instance holds itself, where the view leaves those out."""
+        if self._news is None or self._closed:
+            return
+        with self._lock:  # (only this thread takes news: it is still there)
+            news, self._news = self._news, None
+        if isinstance(news, BaseException):
+            self.scans += 1
+            if isinstance(news, StoreLost):  # nothing is there any more
+                self._drop_all(events)
+            if not isinstance(news, Exception):
+                raise news
+            log.warning("tier_peer_scan_failed", tier=self._tier, error=safe_error(news))
+            return
+        self._listed_now(*news, own, events)
 
     def finished(
         self,
@@ -156,36 +183,30 @@ class PeerScan:
         own: Callable[[OffloadKey], bool] | None,
         events: list[TierEvent],
     ) -> None:
-        """Apply the scan step ``task`` (:meth:`owns` it), appending what it announces to
-        ``events``; ``own`` says which keys this instance holds itself, where the view
-        leaves those out."""
-        listing = self._listing if task is self._listing else None
-        reading = self._reading if task is self._reading else None
-        self._listing = self._reading = None
+        """Apply the read ``task`` (:meth:`owns` it), appending what it announces to
+        ``events``."""
+        reading = self._reading
+        if reading is None or task is not reading:
+            return
+        self._reading = None
         asked, self._asked = self._asked, []
-        if reading is not None:
-            exc = reading.error
-        elif listing is not None:
-            exc = listing.error
-        else:
+        if self._closed:
             return
-        if self._closed or isinstance(exc, TaskCancelled):
+        exc = reading.error
+        if isinstance(exc, TaskCancelled):
             return
-        if exc is not None:
+        with self._lock:
             self.scans += 1
-            if isinstance(exc, StoreLost):  # nothing is there any more
-                self._drop_all(events)
-            elif reading is not None:  # read them again at the next scan
+            if exc is not None:  # read them again at the next scan
                 self._listed.difference_update(asked)
+        if exc is not None:
+            if isinstance(exc, StoreLost):
+                self._drop_all(events)
             if not isinstance(exc, Exception):
                 raise exc
             log.warning("tier_peer_scan_failed", tier=self._tier, error=safe_error(exc))
-        elif reading is not None:
-            self.scans += 1
-            self._announce(asked, reading.value, events)
-        elif listing is not None:
-            listed, added, gone = listing.value
-            self._listed_now(listed, added, gone, own, events)
+            return
+        self._announce(asked, reading.value, events)
 
     def _listed_now(
         self,
@@ -196,7 +217,8 @@ class PeerScan:
         events: list[TierEvent],
     ) -> None:
         """Step 1 done: announce what is gone, read the records of what is new."""
-        self._listed = listed
+        with self._lock:
+            self._listed = listed
         view, bad = self._view, self._bad
         bad.difference_update(gone)
         removed = [k for k in gone if k in view]
@@ -205,7 +227,8 @@ class PeerScan:
             events.append(Removed(tuple(removed), self.identity))
         new = [k for k in added if k not in view and k not in bad and not (own and own(k))]
         if not new:
-            self.scans += 1
+            with self._lock:
+                self.scans += 1
             return
         self._asked = new
         self._reading = self._pool.submit(_read, self._io, new)
@@ -222,15 +245,18 @@ class PeerScan:
             events.append(Removed(tuple(gone), self.identity))
 
     def close(self) -> None:
-        """Announce nothing more (a scan in flight is let finish and ignored)."""
+        """Announce nothing more; the lister stops (a listing under way is let finish and
+        dropped)."""
         self._closed = True
+        self._stop.set()
 
     def _announce(self, asked: list[OffloadKey], found: _Found, events: list[TierEvent]) -> None:
         view, bad = self._view, self._bad
         new = [(k, r) for k, r in found if k not in view and k not in bad]
         # a listed key whose block was not there: read again at the next scan if still listed
         there = {k for k, _ in found}
-        self._listed.difference_update(k for k in asked if k not in there)
+        with self._lock:
+            self._listed.difference_update(k for k in asked if k not in there)
         if not new:
             return
         keys = tuple(k for k, _ in new)
@@ -243,14 +269,17 @@ class PeerScan:
         if self._view:
             events.append(Removed(tuple(self._view), self.identity))
         self._view.clear()
-        self._listed = set()
+        with self._lock:
+            self._listed = set()
         self._bad.clear()
 
 
-def _list(io: PeerListing, before: set[OffloadKey]) -> _Listed:
-    """Step 1 (an IO thread): the keys listed now, those new since ``before``, those gone."""
-    now = io.peer_keys()
-    return now, [k for k in now if k not in before], [k for k in before if k not in now]
+def _diff(now: set[OffloadKey], scan: PeerScan) -> _Listed:
+    """(The lister's thread.) The keys listed now, those new since the listing the scheduler
+    thread applied last, and those gone since (under the view's lock)."""
+    with scan._lock:
+        before = scan._listed
+        return now, [k for k in now if k not in before], [k for k in before if k not in now]
 
 
 def _read(io: RecordReading, keys: list[OffloadKey]) -> _Found:

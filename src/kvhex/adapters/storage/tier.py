@@ -36,6 +36,7 @@ run on the scheduler thread only; IO runs on a pool of ``io_threads`` and never 
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Iterable, Sequence
 from typing import NamedTuple, TypeVar
@@ -308,8 +309,8 @@ class BlockTierStore:
 
     def poll(self) -> list[JobResult]:
         """Results of finished jobs, each once; applies them to the residency and events.
-        With ``announce_peers``, also applies a finished scan of the peer view and starts
-        the next one when it is due."""
+        With ``announce_peers``, also applies what the peer view's lister found and the
+        reads of its new blocks."""
         results = []
         finished = self._pool.finished
         peers = self._peers
@@ -345,7 +346,8 @@ class BlockTierStore:
             if entry is not None:
                 results.append(self._apply_probe(entry, task))
         if peers is not None and not self._closed:
-            peers.tick(time.monotonic())
+            own = None if self._exclusive else self._holds
+            peers.apply(own, self._events)
         if self._presence is not None and self._alone_task is None and not self._closed:
             now = time.monotonic()
             if now - self._alone_checked >= ALONE_CHECK_S:
@@ -357,12 +359,16 @@ class BlockTierStore:
         return results
 
     def next_poll_at(self) -> float | None:
-        """With ``announce_peers``, when the peer view's next scan is due (or ``-inf``
-        while one is in flight); else ``None`` (:class:`~kvhex.ports.tier_store.ScheduledWork`:
-        an idle engine polls then, so the view stays on time)."""
-        if self._peers is None or self._closed:
+        """``-inf`` while something found on the tier's own waits to be announced: with
+        ``announce_peers`` a listing that changed the peer view (or a read of its new
+        blocks), and the blocks adopted at start-up once read; else ``None``
+        (:class:`~kvhex.ports.tier_store.ScheduledWork`: an idle engine polls then)."""
+        if self._closed:
             return None
-        return self._peers.next_at()
+        adoption = self._adoption
+        if adoption is not None and adoption.task.done:
+            return -math.inf
+        return None if self._peers is None else self._peers.next_at()
 
     def delete(self, keys: Sequence[OffloadKey]) -> None:
         """Remove the readable ``keys`` (each once) and announce them; their blocks go on an
