@@ -33,8 +33,10 @@ vllm-router (``--policy kv_aware``, static ``--kv-event-source`` per worker):
   kvhex's replay snapshot (sent under the last folded sequence) is therefore dropped whole.
 * Reading it: only by routing. Each decision is logged at debug (``KV prefix decision ...
   worker=... credited_prefix_tokens=N``) for the chosen worker only; with no credit anywhere
-  ties go to one worker. ``vllm_router_kv_placement_lookups_total{result="hit"|"miss"}`` counts
-  decisions with and without credit. No endpoint shows the index (``/workers``, ``/get_loads``
+  ties go to one worker. ``vllm_router_kv_placement_lookups_total{result="hit"}`` counts
+  decisions made on the index (``outcome="prefix_cost"``), a credit of 0 included (with two
+  real vLLM servers whose streams the router indexed): it does not say anything was credited;
+  ``credited_prefix_tokens`` does. No endpoint shows the index (``/workers``, ``/get_loads``
   do not), so reading a credit sends a real request to a worker. The request's ``model`` goes
   to the worker as is (it must be what vLLM serves); ``--kv-event-model`` need not match it.
 
