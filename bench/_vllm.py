@@ -41,6 +41,19 @@ def make_model(path: Path, layers: int, hidden: int, max_len: int, dtype: str) -
     return path
 
 
+def make_tokenizer(path: Path) -> None:
+    """A word-level tokenizer over ``VOCAB`` words ``t0`` .. ``t1023`` (id ``n`` is ``tN``),
+    saved beside the model at ``path``: a server then answers text (``" t12 t7"``) whose
+    token ids a client reads back without asking for them (``return_token_ids``, which
+    vllm-router 0.1.17's ``kv_aware`` does not credit)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = Tokenizer(models.WordLevel({f"t{i}": i for i in range(VOCAB)}, unk_token="t0"))
+    words.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    PreTrainedTokenizerFast(tokenizer_object=words, unk_token="t0").save_pretrained(path)
+
+
 def offloading_config(
     *,
     block_bytes: int,

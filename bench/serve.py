@@ -66,10 +66,10 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import _vllm
 from _report import Report, parse
@@ -145,11 +145,21 @@ def transfer_config(config: str, chunk_bytes: int, args: argparse.Namespace, roo
 
 @contextlib.contextmanager
 def server(
-    model: Path, transfer: Any, args: argparse.Namespace, work: Path, log_path: Path
+    model: Path,
+    transfer: Any,
+    args: argparse.Namespace,
+    work: Path,
+    log_path: Path,
+    *,
+    more: Sequence[str] = (),
+    env: Mapping[str, str] | None = None,
+    tokenizer: bool = False,
 ) -> Iterator[str]:
     """vLLM's OpenAI server on a free loopback port, in a process group of its own (the API
     server, its engine core and, on the CPU, its worker), stopped on the way out, errors
-    included."""
+    included; ``more`` and ``env`` add to its command line and environment. Without
+    ``tokenizer`` it runs with none (``--skip-tokenizer-init``); with one, the model's
+    directory must hold it (``_vllm.make_tokenizer``)."""
     port = _vllm.free_port()
     options = {
         "--model": model,
@@ -165,15 +175,18 @@ def server(
     }
     command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server"]
     command += [str(part) for option in options.items() for part in option]
-    command += ["--skip-tokenizer-init", "--enforce-eager", "--enable-prefix-caching"]
+    command += ["--enforce-eager", "--enable-prefix-caching"]
+    if not tokenizer:
+        command.append("--skip-tokenizer-init")
     if transfer is not None:
         command += ["--kv-transfer-config", json.dumps(transfer)]
+    command += more
     # a private vLLM cache: another vLLM version sharing ~/.cache/vllm breaks model inspection
-    env = {**os.environ, "VLLM_CACHE_ROOT": str(work / "vllm-cache")}
+    environ = {**os.environ, "VLLM_CACHE_ROOT": str(work / "vllm-cache"), **(env or {})}
     # the same CPU placement with a KV connector as without (see the module docstring)
-    env.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "1")
+    environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "1")
     with _vllm.server_process(
-        command, env=env, cwd=work, log_path=log_path, port=port, start_s=START_S
+        command, env=environ, cwd=work, log_path=log_path, port=port, start_s=START_S
     ) as url:
         yield url
 
@@ -209,9 +222,31 @@ def seeded_tokens(rng: random.Random, n: int) -> list[int]:
     return [rng.randrange(3, VOCAB - 24) for _ in range(n)]
 
 
+class Route(NamedTuple):
+    """Where one request goes, and what to tell the router at its first streamed token and
+    at its end (``bench/fleet.py``'s Dynamo selection: the reservation's load)."""
+
+    url: str
+    first: Callable[[], Awaitable[None]] | None = None
+    done: Callable[[], Awaitable[None]] | None = None
+
+
+Router = Callable[[list[int]], Awaitable[Route]]
+"""Picks a request's server from its prompt (token ids)."""
+
+
+def to(url: str) -> Router:
+    """Every request to ``url`` (a server, or a router that forwards them)."""
+
+    async def route(prompt: list[int]) -> Route:
+        return Route(url)
+
+    return route
+
+
 async def chat(
     session: Any,
-    url: str,
+    router: Router,
     *,
     user: int,
     system: list[int],
@@ -226,6 +261,7 @@ async def chat(
     for turn in range(args.turns):
         new = seeded_tokens(rng, args.new_tokens)
         prompt = [*system, *history, *new]
+        text = getattr(args, "token_text", False)  # the answer's ids read from its words
         body = {
             "model": "serve-bench",
             "prompt": prompt,
@@ -233,23 +269,33 @@ async def chat(
             "temperature": 0,
             "ignore_eos": True,
             "stream": True,
-            "return_token_ids": True,
+            **({} if text else {"return_token_ids": True}),
         }
         sent = time.perf_counter()
         first = last = 0.0
         tokens: list[int] = []
-        async with session.post(f"{url}/v1/completions", json=body) as response:
-            if response.status != 200:
-                raise RuntimeError(f"HTTP {response.status}: {await response.text()}")
-            async for line in response.content:
-                if not line.startswith(b"data: ") or line.startswith(b"data: [DONE]"):
-                    continue
-                now = time.perf_counter()
-                for choice in json.loads(line[6:]).get("choices", ()):
-                    if ids := choice.get("token_ids"):
-                        first = first or now
-                        last = now
-                        tokens += ids
+        route = await router(prompt)
+        try:
+            async with session.post(f"{route.url}/v1/completions", json=body) as response:
+                if response.status != 200:
+                    raise RuntimeError(f"HTTP {response.status}: {await response.text()}")
+                async for line in response.content:
+                    if not line.startswith(b"data: ") or line.startswith(b"data: [DONE]"):
+                        continue
+                    now = time.perf_counter()
+                    for choice in json.loads(line[6:]).get("choices", ()):
+                        ids = choice.get("token_ids")
+                        if text:
+                            ids = [int(word[1:]) for word in choice.get("text", "").split()]
+                        if ids:
+                            if not first and route.first is not None:
+                                await route.first()
+                            first = first or now
+                            last = now
+                            tokens += ids
+        finally:
+            if route.done is not None:
+                await route.done()
         if len(tokens) != args.answer_tokens:
             raise RuntimeError(f"user {user} turn {turn}: {len(tokens)} tokens streamed")
         out.append(
@@ -267,8 +313,11 @@ async def chat(
     return out
 
 
-async def run_point(url: str, users: int, args: argparse.Namespace) -> tuple[list[Turn], float]:
-    """Every user of one point at once; their turns and the point's wall seconds."""
+async def run_point(
+    url: str | Router, users: int, args: argparse.Namespace
+) -> tuple[list[Turn], float]:
+    """Every user of one point at once, each request to ``url`` (or where the router
+    sends it); their turns and the point's wall seconds."""
     import aiohttp
 
     seed = f"{args.seed}-U{users}"
@@ -277,8 +326,12 @@ async def run_point(url: str, users: int, args: argparse.Namespace) -> tuple[lis
     connector = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
         began = time.perf_counter()
+        router = to(url) if isinstance(url, str) else url
         results = await asyncio.gather(
-            *(chat(session, url, user=u, system=system, args=args, seed=seed) for u in range(users))
+            *(
+                chat(session, router, user=u, system=system, args=args, seed=seed)
+                for u in range(users)
+            )
         )
         wall = time.perf_counter() - began
     return [turn for turns in results for turn in turns], wall

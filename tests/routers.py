@@ -323,8 +323,9 @@ _SEQ = re.compile(r"kv_index (live|replay) sequence advanced source=(\S+) rank=\
 
 
 class VllmRouter(_Service):
-    """``vllm-router --policy kv_aware`` on free loopback ports (HTTP and Prometheus), one
-    static event source per worker, at ``--log-level debug``.
+    """``vllm-router --policy kv_aware`` (or another ``policy``, which reads no events) on
+    free loopback ports (HTTP and Prometheus), one static event source per worker, at
+    ``--log-level debug`` (decisions are read from the log).
 
     ``sources`` maps each worker's URL to its publisher's PUB endpoint (the router's SUB
     connects); ``replay_sources`` the same for replay ROUTER endpoints. The router waits for
@@ -344,6 +345,8 @@ class VllmRouter(_Service):
         block_size: int = 32,
         model: str = MODEL,
         penalties: Penalties = DEFAULT_PENALTIES,
+        policy: str = "kv_aware",
+        log_level: str = "debug",
         args: Sequence[str] = (),
     ) -> None:
         super().__init__(log_path)
@@ -352,15 +355,16 @@ class VllmRouter(_Service):
         self.block_size = block_size
         self.penalties = penalties
         self.metrics_url = ""
-        fixed = ["--policy", "kv_aware", "--log-level", "debug", "--worker-urls", *self.sources]
-        for worker, endpoint in self.sources.items():
-            fixed += ["--kv-event-source", f"{worker}={endpoint}"]
-        for worker, endpoint in (replay_sources or {}).items():
-            fixed += ["--kv-event-replay-source", f"{worker}={endpoint}"]
-        fixed += ["--kv-event-block-size", str(block_size), "--kv-event-model", model]
-        fixed += ["--kv-penalty-host", str(penalties.host)]
-        fixed += ["--kv-penalty-external", str(penalties.external)]
-        fixed += ["--kv-penalty-disk", str(penalties.disk)]
+        fixed = ["--policy", policy, "--log-level", log_level, "--worker-urls", *self.sources]
+        if policy == "kv_aware":  # the only policy that reads events
+            for worker, endpoint in self.sources.items():
+                fixed += ["--kv-event-source", f"{worker}={endpoint}"]
+            for worker, endpoint in (replay_sources or {}).items():
+                fixed += ["--kv-event-replay-source", f"{worker}={endpoint}"]
+            fixed += ["--kv-event-block-size", str(block_size), "--kv-event-model", model]
+            fixed += ["--kv-penalty-host", str(penalties.host)]
+            fixed += ["--kv-penalty-external", str(penalties.external)]
+            fixed += ["--kv-penalty-disk", str(penalties.disk)]
         # give up on workers when the tests do, checking them every second
         fixed += ["--worker-startup-timeout-secs", str(int(self.STARTUP_TIMEOUT_S))]
         fixed += ["--worker-startup-check-interval", "1"]
