@@ -362,17 +362,7 @@ def summary(result: Result) -> dict[str, Any]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--users", type=int, default=12, help="users chatting at once")
-    parser.add_argument("--turns", type=int, default=8, help="turns per user")
-    parser.add_argument("--system-tokens", type=int, default=512, help="shared system prompt")
-    parser.add_argument("--new-tokens", type=int, default=192, help="new user tokens per turn")
-    parser.add_argument("--answer-tokens", type=int, default=32, help="streamed answer tokens")
-    parser.add_argument("--think-s", type=float, default=1.0, help="mean think time")
-    parser.add_argument(
-        "--device-blocks", type=int, default=128, help="device KV cache blocks per server"
-    )
-    parser.add_argument(
-        "--host-blocks", type=int, default=0, help="kvhex host memory per server (0: 2x device)"
-    )
+    serve.add_workload(parser, device_blocks=128)
     parser.add_argument(
         "--pool-blocks",
         type=int,
@@ -383,11 +373,6 @@ def main() -> None:
         "--pool", choices=("files", "valkey"), default="files", help="the shared pool"
     )
     parser.add_argument("--peer-scan-s", type=float, default=1.0, help="peer_scan_interval_s")
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--hidden", type=int, default=256)
-    parser.add_argument("--dtype", choices=sorted(DTYPE_BYTES), default="float32")
-    parser.add_argument("--gpu-memory-utilization", type=float, default=0.1)
-    parser.add_argument("--seed", default="0", help="the token content's seed")
     parser.add_argument(
         "--arms",
         type=lambda text: text.split(","),

@@ -488,15 +488,16 @@ def plot(
     pyplot.close(figure)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--users", type=users_list, default=[2, 4, 8, 16], help="U values")
+def add_workload(parser: argparse.ArgumentParser, *, device_blocks: int) -> None:
+    """The chat workload's, the model's and each server's flags (bench/fleet.py's too)."""
     parser.add_argument("--turns", type=int, default=8, help="turns per user")
     parser.add_argument("--system-tokens", type=int, default=512, help="shared system prompt")
     parser.add_argument("--new-tokens", type=int, default=192, help="new user tokens per turn")
     parser.add_argument("--answer-tokens", type=int, default=32, help="streamed answer tokens")
     parser.add_argument("--think-s", type=float, default=1.0, help="mean think time")
-    parser.add_argument("--device-blocks", type=int, default=192, help="device KV cache blocks")
+    parser.add_argument(
+        "--device-blocks", type=int, default=device_blocks, help="device KV cache blocks"
+    )
     parser.add_argument(
         "--host-blocks", type=int, default=0, help="kvhex host memory in blocks (0: 2x device)"
     )
@@ -506,15 +507,21 @@ def main() -> None:
         "--dtype",
         choices=sorted(DTYPE_BYTES),
         default="float32",
-        help="the model's and KV cache's dtype (float32: see the module docstring)",
+        help="the model's and KV cache's dtype (float32: see bench/serve.py's docstring)",
     )
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.1)
+    parser.add_argument("--seed", default="0", help="the token content's seed")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--users", type=users_list, default=[2, 4, 8, 16], help="U values")
+    add_workload(parser, device_blocks=192)
     parser.add_argument(
         "--loading",
         choices=("auto", "off"),
         help="kvhex's load-or-recompute mode (kvhex.loading.mode; default: kvhex's own)",
     )
-    parser.add_argument("--gpu-memory-utilization", type=float, default=0.1)
-    parser.add_argument("--seed", default="0", help="the token content's seed")
     parser.add_argument(
         "--configs",
         type=lambda text: text.split(","),

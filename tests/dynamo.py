@@ -14,8 +14,9 @@ What the tests rely on (``ai-dynamo-runtime`` 1.6.1, measured):
 * Block hashes decode only as integers (vLLM's default, ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES``):
   a batch holding a byte-string hash fails to decode and is dropped whole.
 * It hashes each block's tokens itself: a ``BlockStored`` whose ``block_size`` is not the one
-  registered, or whose ``token_ids`` are not ``block_size`` per hash, is dropped; so is every
-  event naming an ``ownership``, or a ``locality`` other than ``LOCAL``. Media: ``GPU`` (or
+  registered is dropped, and of one whose ``token_ids`` fall short of ``block_size`` per hash
+  only the blocks covered whole are kept; every event naming an ``ownership``, or a
+  ``locality`` other than ``LOCAL``, is dropped too. Media: ``GPU`` (or
   none) -> gpu, ``CPU``/``CPU_PINNED`` -> cpu, ``STORAGE``/``DISK``/``EXTERNAL`` -> disk.
 * gpu is a strict radix tree (a block whose parent it does not hold is dropped); cpu and disk
   take a child before its parent and link it when the parent comes. No reference counts: one
@@ -45,6 +46,7 @@ __all__ = [
     "Chains",
     "Credit",
     "DynamoIndexer",
+    "call",
     "dynamo_indexer",
     "expected_credit",
     "free_port",
@@ -144,6 +146,24 @@ _NO_PROXY = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 """Loopback requests never go through a proxy the environment names."""
 
 
+def call(url: str, method: str, body: object = None, *, timeout: float = 30) -> tuple[int, Any]:
+    """An HTTP request with a JSON body: the status and the decoded answer (text if not JSON)."""
+    data = None if body is None else json.dumps(body).encode()
+    request = urllib.request.Request(
+        url, data=data, method=method, headers={"Content-Type": "application/json"}
+    )
+    try:
+        with _NO_PROXY.open(request, timeout=timeout) as response:
+            status, raw = response.status, response.read()
+    except urllib.error.HTTPError as exc:
+        status, raw = exc.code, exc.read()
+    text = raw.decode("utf-8", "replace")
+    try:
+        return status, json.loads(text) if text.strip() else None
+    except ValueError:
+        return status, text
+
+
 class DynamoIndexer:
     """``python -m dynamo.indexer`` on a free port, its output in ``log_path``.
 
@@ -208,20 +228,7 @@ class DynamoIndexer:
     def _call(
         self, method: str, path: str, body: object = None, *, timeout: float = 10
     ) -> tuple[int, Any]:
-        data = None if body is None else json.dumps(body).encode()
-        request = urllib.request.Request(
-            self.url + path, data=data, method=method, headers={"Content-Type": "application/json"}
-        )
-        try:
-            with _NO_PROXY.open(request, timeout=timeout) as response:
-                status, raw = response.status, response.read()
-        except urllib.error.HTTPError as exc:
-            status, raw = exc.code, exc.read()
-        text = raw.decode("utf-8", "replace")
-        try:
-            return status, json.loads(text) if text.strip() else None
-        except ValueError:
-            return status, text
+        return call(self.url + path, method, body, timeout=timeout)
 
     def register(
         self,

@@ -67,15 +67,12 @@ Dynamo's selection service (``python -m dynamo.select_service``, workers registe
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import re
 import signal
 import subprocess
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
@@ -84,7 +81,7 @@ from typing import Any, NamedTuple, Self, TypeVar
 import pytest
 
 from tests.dynamo import BUILD as DYNAMO_BUILD
-from tests.dynamo import MODEL, Credit, free_port
+from tests.dynamo import MODEL, Credit, call, free_port
 from tests.dynamo import PYTHON_VARIABLE as DYNAMO_VARIABLE
 
 __all__ = [
@@ -110,8 +107,6 @@ ROUTER_BUILD = "make .venv-router/.kvhex-installed"
 T = TypeVar("T")
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 _FIELD = re.compile(r'(\w+)=("[^"]*"|\S+)')
-_NO_PROXY = urllib.request.build_opener(urllib.request.ProxyHandler({}))
-"""Loopback requests never go through a proxy the environment names."""
 
 
 def python_or_skip(variable: str, what: str, build: str, venv: str) -> str:
@@ -123,24 +118,6 @@ def python_or_skip(variable: str, what: str, build: str, venv: str) -> str:
             f"{variable}=$PWD/{venv}/bin/python (make test does both)"
         )
     return python
-
-
-def call(url: str, method: str, body: object = None, *, timeout: float = 30) -> tuple[int, Any]:
-    """An HTTP request with a JSON body: the status and the decoded answer (text if not JSON)."""
-    data = None if body is None else json.dumps(body).encode()
-    request = urllib.request.Request(
-        url, data=data, method=method, headers={"Content-Type": "application/json"}
-    )
-    try:
-        with _NO_PROXY.open(request, timeout=timeout) as response:
-            status, raw = response.status, response.read()
-    except urllib.error.HTTPError as exc:
-        status, raw = exc.code, exc.read()
-    text = raw.decode("utf-8", "replace")
-    try:
-        return status, json.loads(text) if text.strip() else None
-    except ValueError:
-        return status, text
 
 
 class _Service:

@@ -17,8 +17,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from tests.dynamo import MODEL, free_port
-from tests.routers import _Service, call
+from tests.dynamo import MODEL, call, free_port
+from tests.routers import _Service
 from tests.vllm.engine import BLOCK, DEVICE_BLOCKS
 
 __all__ = ["Answer", "VllmServer"]
