@@ -164,10 +164,15 @@ def servers(
             "cpu_bytes_to_use": args.host_blocks * chunk_bytes,
             "secondary_tiers": [pool_entry(args, chunk_bytes, pool)],
         }
+        kvhex: dict[str, Any] = {}
+        if args.loading:
+            kvhex["loading"] = {"mode": args.loading}
         if arm.router != "round_robin":
-            extra["kvhex"] = {"router": "dynamo" if arm.router == "dynamo" else "vllm-router"}
+            kvhex["router"] = "dynamo" if arm.router == "dynamo" else "vllm-router"
             if arm.router == "kv_aware":
-                extra["kvhex"]["router_block_size"] = args.block
+                kvhex["router_block_size"] = args.block
+        if kvhex:
+            extra["kvhex"] = kvhex
         transfer = {
             "kv_connector": "KvhexOffloadingConnector",
             "kv_role": "kv_both",
@@ -317,10 +322,10 @@ def run_arm(
             credits.credited = sum(d.credited_prefix_tokens > 0 for d in decisions)
     metrics = [{k: a[k] - b.get(k, 0.0) for k in a} for a, b in zip(after, before, strict=True)]
     result = Result(name, turns, wall, metrics, credits.share)
-    s = summary(result)
+    figures = summary(result)
     report.say(
-        f"  {name:<13} TTFT p50 {s['ttft_p50_s']:.3f} s, p99 {s['ttft_p99_s']:.3f} s, "
-        f"{s['requests_per_s']:.2f} req/s ({wall:.1f} s)"
+        f"  {name:<13} TTFT p50 {figures['ttft_p50_s']:.3f} s, p99 {figures['ttft_p99_s']:.3f}"
+        f" s, {figures['requests_per_s']:.2f} req/s ({wall:.1f} s)"
     )
     return result
 
@@ -419,7 +424,8 @@ def main() -> None:
             from tests.adapters.storage.valkey.servers import start_cluster
 
             nodes = start_cluster(work / "valkey")
-            stack.callback(lambda: [node.kill() for node in nodes])
+            for node in nodes:
+                stack.callback(node.kill)
         for name in args.arms:
             arm = ARMS[name]
             pool = (work / f"pool-{name}") if args.pool == "files" else nodes

@@ -511,17 +511,17 @@ def add_workload(parser: argparse.ArgumentParser, *, device_blocks: int) -> None
     )
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.1)
     parser.add_argument("--seed", default="0", help="the token content's seed")
+    parser.add_argument(
+        "--loading",
+        choices=("auto", "off"),
+        help="kvhex's load-or-recompute mode (kvhex.loading.mode; default: kvhex's own)",
+    )
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--users", type=users_list, default=[2, 4, 8, 16], help="U values")
     add_workload(parser, device_blocks=192)
-    parser.add_argument(
-        "--loading",
-        choices=("auto", "off"),
-        help="kvhex's load-or-recompute mode (kvhex.loading.mode; default: kvhex's own)",
-    )
     parser.add_argument(
         "--configs",
         type=lambda text: text.split(","),
